@@ -1,0 +1,1 @@
+"""PAN2's FastVideo pipeline configuration and preset (filled in by the PAN2 pipeline work)."""
