@@ -1,0 +1,198 @@
+"""The build cache (vae_kernel/build.py) under real processes, with a tiny C++ extension through the same code path.
+
+Every builder here is a real Python process running `load_extension`; builds are real (torch's cpp_extension + ninja
++ the host compiler), about 15-20 s each on 2 cores, so tests share one raced build where that is honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fastvideo_pan2_ext.vae_kernel import build
+
+TINY_SOURCE = """
+#include <pybind11/pybind11.h>
+static int add(int a, int b) { return a + b + TINY_OFFSET; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
+"""
+
+# One builder process: loads the extension through the cache and prints what it got as one JSON line.
+BUILDER = """
+import hashlib, json, sys
+from fastvideo_pan2_ext.vae_kernel import build
+root, source, offset, lock = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+spec = build.ExtensionSpec(name="tiny_cache_ext", sources=(source,), extra_cflags=(f"-DTINY_OFFSET={offset}",))
+module = build.load_extension(spec, root=root, lock=lock)
+print(json.dumps({"file": module.__file__, "sha256": hashlib.sha256(open(module.__file__, "rb").read()).hexdigest(),
+                  "sum": module.add(2, 3)}))
+"""
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["MAX_JOBS"] = "1"
+    env.pop(build.BUILD_DIR_ENV, None)
+    return env
+
+
+def _start(root: Path, source: Path, offset: int, lock: bool = True, prefix: list[str] = (),
+           **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, "-c", BUILDER, str(root), str(source), str(offset), "1" if lock else "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), **kwargs)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"builder failed (exit {proc.returncode}):\n{err[-3000:]}"
+    result = json.loads(out.strip().splitlines()[-1])
+    result["stderr"] = err
+    return result
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "cache").iterdir() if not p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("src") / "tiny.cpp"
+    path.write_text(TINY_SOURCE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def raced(tmp_path_factory, source):
+    """8 processes started together on one empty cache and one key (with the lock, as in production)."""
+    root = tmp_path_factory.mktemp("raced")
+    offset = 1000 + uuid.uuid4().int % 1000  # a key no earlier run has seen
+    procs = [_start(root, source, offset) for _ in range(8)]
+    return root, offset, [_finish(p) for p in procs]
+
+
+def test_eight_racing_processes_all_succeed_and_agree_on_one_published_build(raced):
+    root, offset, results = raced
+    (entry,) = _entries(root)
+    assert {r["file"] for r in results} == {str(entry / "tiny_cache_ext.so")}
+    assert len({r["sha256"] for r in results}) == 1
+    assert all(r["sum"] == 5 + offset for r in results)
+    assert not list((root / "cache").glob(".staging-*")), "a staging directory was left behind"
+    assert not list((root / "build").iterdir()), "a private build directory was left behind"
+    assert build.verify_entry(entry, "tiny_cache_ext", entry.name.rsplit("-", 1)[1]) is None
+
+
+def test_racing_processes_without_the_lock_still_agree_on_one_published_build(tmp_path, source):
+    offset = 3000 + uuid.uuid4().int % 1000
+    procs = [_start(tmp_path, source, offset, lock=False) for _ in range(3)]
+    results = [_finish(p) for p in procs]
+    (entry,) = _entries(tmp_path)
+    assert {r["file"] for r in results} == {str(entry / "tiny_cache_ext.so")}
+    assert all(r["sum"] == 5 + offset for r in results)
+    assert not list((tmp_path / "cache").glob(".staging-*"))
+
+
+def test_builder_killed_mid_build_never_blocks_the_next_process(tmp_path, source):
+    offset = 5000 + uuid.uuid4().int % 1000
+    victim = _start(tmp_path, source, offset, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "build").glob("*/build.ninja")):  # torch has written its ninja file: compiling now
+        assert victim.poll() is None, "builder finished before it could be killed"
+        assert time.monotonic() < deadline, "builder never started compiling"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not _entries(tmp_path), "a killed builder published something"
+    start = time.monotonic()
+    result = _finish(_start(tmp_path, source, offset), timeout=240)
+    assert result["sum"] == 5 + offset
+    assert Path(result["file"]).parent in _entries(tmp_path)
+    # It built (it did not wait out the lock timeout, which is 30 minutes).
+    assert time.monotonic() - start < 200
+
+
+@pytest.mark.parametrize("damage", ["truncated", "tampered"])
+def test_damaged_entry_is_detected_moved_aside_and_rebuilt(tmp_path, raced, source, damage):
+    raced_root, offset, _ = raced
+    root = tmp_path / "root"
+    shutil.copytree(raced_root / "cache", root / "cache")
+    (entry,) = _entries(root)
+    module_file = entry / "tiny_cache_ext.so"
+    data = bytearray(module_file.read_bytes())
+    if damage == "truncated":
+        module_file.write_bytes(data[: len(data) // 2])
+    else:  # same size, one byte changed
+        data[len(data) // 2] ^= 0xFF
+        module_file.write_bytes(data)
+    assert build.verify_entry(entry, "tiny_cache_ext", entry.name.rsplit("-", 1)[1]) is not None
+
+    result = _finish(_start(root, source, offset))
+    assert result["sum"] == 5 + offset
+    assert result["file"] == str(module_file)
+    assert build.verify_entry(entry, "tiny_cache_ext", entry.name.rsplit("-", 1)[1]) is None
+    (moved,) = (root / "bad").iterdir()
+    assert moved.name.startswith(entry.name)
+    assert "does not match its manifest" in result["stderr"]
+
+
+def test_read_only_cache_falls_back_to_a_private_build_with_a_warning(source):
+    offset = 7000 + uuid.uuid4().int % 1000
+    base = Path(tempfile.mkdtemp(prefix="ro-cache-test-"))
+    try:
+        private_source = base / "tiny.cpp"
+        shutil.copyfile(source, private_source)
+        root = base / "ro"
+        (root / "cache").mkdir(parents=True)
+        # root ignores permission bits unless it lacks CAP_DAC_OVERRIDE: drop that capability for the builder.
+        prefix = [] if os.geteuid() != 0 else ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                                               "--bounding-set=-dac_override,-dac_read_search"]
+        os.chmod(root / "cache", 0o555)
+        os.chmod(root, 0o555)
+        try:
+            result = _finish(_start(root, private_source, offset, prefix=prefix))
+        finally:
+            os.chmod(root, 0o755)
+            os.chmod(root / "cache", 0o755)
+        assert result["sum"] == 5 + offset
+        assert not result["file"].startswith(str(root))
+        assert "is not writable" in result["stderr"] and "RuntimeWarning" in result["stderr"]
+        assert not list((root / "cache").iterdir())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_different_flags_or_sources_give_different_keys(tmp_path, source):
+    base = build.ExtensionSpec(name="tiny_cache_ext", sources=(str(source),), extra_cflags=("-DTINY_OFFSET=1",))
+    other_flags = build.ExtensionSpec(name="tiny_cache_ext", sources=(str(source),), extra_cflags=("-DTINY_OFFSET=2",))
+    edited = tmp_path / "tiny.cpp"
+    edited.write_text(source.read_text() + "\n// edited\n")
+    other_source = build.ExtensionSpec(name="tiny_cache_ext", sources=(str(edited),), extra_cflags=("-DTINY_OFFSET=1",))
+    other_arch = build.ExtensionSpec(name="tiny_cache_ext", sources=(str(source),), extra_cflags=("-DTINY_OFFSET=1",),
+                                     key_extras=(("cutlass", "9.9"),))
+    keys = [build.extension_key(s) for s in (base, other_flags, other_source, other_arch)]
+    assert len(set(keys)) == 4
+    assert build.extension_key(base) == keys[0]  # stable
+    # Same content under another path is the same build.
+    copy = tmp_path / "copy" / "tiny.cpp"
+    copy.parent.mkdir()
+    copy.write_text(source.read_text())
+    assert build.extension_key(build.ExtensionSpec(name="tiny_cache_ext", sources=(str(copy),),
+                                                   extra_cflags=("-DTINY_OFFSET=1",))) == keys[0]
+
+
+def test_spec_rejects_bad_names_missing_sources_and_bad_archs(source):
+    with pytest.raises(ValueError, match="Python identifier"):
+        build.ExtensionSpec(name="not-an-identifier", sources=(str(source),))
+    with pytest.raises(ValueError, match="does not exist"):
+        build.ExtensionSpec(name="x", sources=("/nonexistent/x.cpp",))
+    with pytest.raises(ValueError, match="sm_90a"):
+        build.ExtensionSpec(name="x", sources=(str(source),), cuda_archs=("90",))
