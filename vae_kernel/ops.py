@@ -1,0 +1,190 @@
+"""The decoder's op table: the seam where compiled kernels replace the portable PyTorch ops.
+
+`WanVAEDecoder` runs every hot step of the Wan2.2 decoder as one call into an `Ops` table. Each op works on
+channels-last (NDHWC / NHWC) bf16 activations and writes into a destination tensor the decoder owns (destination
+passing), so a compiled kernel can replace any single op without touching the rest. `TORCH_OPS` is the portable
+table (CPU and any CUDA GPU); a compiled backend builds its table with `dataclasses.replace(TORCH_OPS, conv3d=...)`
+and returns it from `fastvideo_pan2_ext.vae_kernel.compiled.load_ops(device)` (see `select_ops`).
+
+Layout rules every op may rely on (and every replacement must honour):
+- Activations are bf16, channels last. The last three dims of every activation (rows, width, channels) form one
+  packed slab: stride(-1) == 1, stride(-2) == C, stride(-3) == W * C. The dims in front of them (batch, frames) may
+  have any strides: the decoder writes a norm's output straight into the interior rows of a haloed window
+  (`window[:, 2:, 1:-1]`), whose frames are `(rows + 2) * W * C` apart. Inputs `x` of conv3d and
+  upsample2x_conv3x3 are fully contiguous.
+- Rows are *valid* (the caller supplies the halo rows: zeros at the image edge, a neighbour's rows inside a band),
+  time is *valid* (the caller puts the causal history frames in front), width is *same* (zero padding inside the op).
+  That is what makes ranks, bands and tiles one mechanism: an op never knows whether its rows are the whole frame.
+- Weights come prepared once by `weights.prepare` (layouts documented there): conv weights bf16 [Co, kt, kh, kw, Ci],
+  biases fp32 [Co], RMS-norm gammas fp32 [C] already multiplied by sqrt(C), sub-pixel upsample weights bf16
+  [2, 2, Co, 2, 2, Ci].
+- Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
+
+
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    # Most CPUs have no fast bf16 conv kernel (measured: 70x slower than fp32 on an AVX2 EPYC), so the CPU path
+    # computes in fp32 on bf16-rounded inputs: the same products, fp32 accumulation, one rounding on store.
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The portable ops
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def conv3d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+           residual: torch.Tensor | None = None) -> None:
+    """out = conv(x, w) + b (+ residual).
+
+    x [N, Ti, Hi, W, Ci] bf16 (contiguous); w [Co, kt, kh, kw, Ci] bf16; b [Co] fp32;
+    out [N, Ti - kt + 1, Hi - kh + 1, W, Co] bf16; residual: None or the shape of out (bf16).
+    Valid in time and rows, zero 'same' padding (kw // 2 each side) in width, stride 1. Covers the causal 3x3x3 convs,
+    the (3,1,1) time conv of the temporal upsampler and the 1x1x1 convs (shortcuts, attention projections).
+    """
+    dtype = _compute_dtype(x.device)
+    xc = x.permute(0, 4, 1, 2, 3).to(dtype)  # a channels_last_3d view for torch
+    wc = w.permute(0, 4, 1, 2, 3).to(dtype)
+    y = F.conv3d(xc, wc, b.to(dtype), padding=(0, 0, w.shape[3] // 2))
+    y = y.permute(0, 2, 3, 4, 1)
+    if residual is not None:
+        y = y.add_(residual) if y.dtype == torch.float32 else y + residual
+    out.copy_(y)
+
+
+def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
+    """out = silu(x / max(||x||_2 over C, 1e-12) * gamma), statistics in fp32, one rounding to bf16.
+
+    x, out [..., C] bf16 of one shape (out may be a strided view, see the module rules); gamma [C] fp32, already
+    scaled by sqrt(C). silu=False gives the plain RMS norm (the mid-block attention's).
+    """
+    xf = x.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min_(RMS_EPS)
+    y = xf.div_(norm).mul_(gamma)
+    out.copy_(F.silu(y, inplace=True) if silu else y)
+
+
+def upsample2x_conv3x3(x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = conv3x3(nearest_upsample_2x(x)) + b, computed as four 2x2 sub-pixel convs on the low-resolution x.
+
+    x [M, Hi, W, C] bf16 (M = frames; rows include one halo row above and below); w_sub [2, 2, Co, 2, 2, Ci] bf16
+    (phase row, phase col, Co, tap row, tap col, Ci; see weights.subpixel_weights); b [Co] fp32;
+    out [M, 2 * (Hi - 2), 2 * W, Co] bf16. Output pixel (2i + a, 2j + c) = sum over taps (r, s) of
+    w_sub[a, c, :, r, s] . x[i + a + r, j - 1 + c + s] (x rows counted from the halo row, width zero-padded).
+    Exact math with 2.25x fewer MACs than convolving the upsampled frame.
+    """
+    m, hi, width, _ = x.shape
+    co = w_sub.shape[2]
+    rows = hi - 2
+    dtype = _compute_dtype(x.device)
+    # One 2x2 conv with 4*Co outputs (one group per phase) over x padded by one column each side; phase (a, c) of
+    # output pixel (i, j) is that conv's output at position (i + a, j + c).
+    wc = w_sub.reshape(4 * co, 2, 2, -1).permute(0, 3, 1, 2).to(dtype)
+    y = F.conv2d(x.permute(0, 3, 1, 2).to(dtype), wc, b.to(dtype).repeat(4), padding=(0, 1))
+    y = y.view(m, 2, 2, co, rows + 1, width + 1)
+    for a in range(2):
+        for c in range(2):
+            out[:, a::2, c::2, :].copy_(y[:, a, c, :, a:a + rows, c:c + width].permute(0, 2, 3, 1))
+
+
+def attention(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+    """Single-head softmax attention over whole frames (the mid block's), scale 1/sqrt(C).
+
+    q [M, Lq, C] bf16 (this band's pixels); kv [M, L, 2C] bf16 (k then v, every pixel of the frame);
+    out [M, Lq, C] bf16. M = frames.
+    """
+    dtype = _compute_dtype(q.device)
+    c = q.shape[-1]
+    k, v = kv.to(dtype).split(c, dim=-1)
+    o = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+    out.copy_(o.squeeze(1))
+
+
+def dup_up_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, skip: int) -> None:
+    """out += DupUp(x): the up block's parameter-free shortcut (repeat channels, fold them into time and space).
+
+    x [N, T, H, W, Ci] bf16 (the up block's input); out [N, T * factor_t - skip, 2H, 2W, Co] bf16.
+    Channel block ((o * factor_t + a) * 2 + dy) * 2 + dx of the repeated input lands at output (o, frame
+    t * factor_t + a, row 2h + dy, column 2w + dx); `skip` drops the first output frames (the first chunk keeps only
+    the last of its factor_t frames).
+    """
+    n, t, h, width, ci = x.shape
+    co = out.shape[-1]
+    repeats = co * factor_t * 4 // ci
+    src = x.unsqueeze(-1).expand(n, t, h, width, ci, repeats).reshape(n, t, h, width, co, factor_t, 2, 2)
+    src = src.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(n, t * factor_t, 2 * h, 2 * width, co)
+    out.add_(src[:, skip:])
+
+
+def unpatchify_clamp(x: torch.Tensor, out: torch.Tensor, patch_size: int) -> None:
+    """The decoder's last step: fold the patch channels into pixels and clamp to [-1, 1].
+
+    x [N, F, H, W, 3 * p * p] bf16 (channel = c * p * p + dx * p + dy, diffusers' order); out [N, 3, F, p * H, p * W]
+    (any strides, typically a slice of the whole video in NCDHW).
+    """
+    n, f, h, width, _ = x.shape
+    p = patch_size
+    y = x.view(n, f, h, width, 3, p, p).permute(0, 4, 1, 2, 6, 3, 5).reshape(n, 3, f, h * p, width * p)
+    out.copy_(y.clamp(-1.0, 1.0))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The table and its one dispatch point
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The decoder's hot ops (signatures as the portable functions above). `name` says which backend it is."""
+
+    name: str
+    conv3d: Callable[..., None]
+    rms_norm_silu: Callable[..., None]
+    upsample2x_conv3x3: Callable[..., None]
+    attention: Callable[..., None]
+    dup_up_add: Callable[..., None]
+    unpatchify_clamp: Callable[..., None]
+
+
+TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)
+
+BACKENDS = ("auto", "cuda", "torch")
+
+
+def select_ops(backend: str, device: torch.device) -> Ops:
+    """The op table for `backend` on `device`.
+
+    "torch": the portable table. "cuda": `compiled.load_ops(device)` or a RuntimeError saying why not.
+    "auto": the compiled table where it loads (it is expected to raise unless built and self-checked for this
+    device), else the portable one. `compiled.load_ops(device) -> Ops` is the compiled backend's only hook.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TORCH_OPS
+    if device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs a CUDA device; got device {device}")
+    try:
+        from . import compiled  # noqa: PLC0415 - optional: absent or unbuildable on many machines
+        ops = compiled.load_ops(device)
+    except Exception as exc:  # any failure to build, load or self-check means "not available here"
+        if backend == "cuda":
+            raise RuntimeError(f"the compiled CUDA decoder is not available on {device}: {exc}") from exc
+        logger.info("compiled VAE decoder unavailable on %s (%s); using the portable PyTorch ops", device, exc)
+        return TORCH_OPS
+    if not isinstance(ops, Ops):
+        raise TypeError(f"compiled.load_ops must return an Ops table; got {type(ops).__name__}")
+    return ops
