@@ -1,0 +1,106 @@
+"""``fastvideo generate --pipeline NAME``: choose a plugin pipeline and its defaults from the stock CLI.
+
+FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrides (``--generator.*``,
+``--request.*``). `install()` wraps its `GenerateSubcommand` so that:
+
+- ``--pipeline`` appears in ``fastvideo generate --help``;
+- without ``--pipeline`` everything is FastVideo's, unchanged;
+- ``--pipeline pan2`` makes ``--config`` optional, builds the run config from it (if given) and the dotted overrides
+  exactly as FastVideo does, then selects `PAN2Pipeline` + `PAN2PipelineConfig`, fills PAN2's sampling defaults the
+  user did not set, and checks the inputs (checkpoint folder, image, size) before any model loads;
+- an unknown name, or bad input, ends the command with one ``fastvideo generate: error: ...`` line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_ATTR = "_fastvideo_validated_run_config"  # where FastVideo's GenerateSubcommand keeps the validated run config
+
+
+def _pan2_run_config(args, overrides: list[str] | None):
+    from fastvideo.api.parser import parse_config
+    from fastvideo.api.schema import RunConfig
+    from fastvideo.entrypoints.cli import inference_config as ic
+
+    from fastvideo_pan2_ext.attention import apply_fa4_policy
+    from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
+    from fastvideo_pan2_ext.configs import PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig
+    from fastvideo_pan2_ext.image import check_size, load_image
+
+    raw: dict[str, Any] = ic._load_nested_config(args.config) if args.config else {"generator": {}}
+    raw.setdefault("request", {})
+    raw = ic._apply_dotted_overrides(raw, overrides, allowed_prefixes=ic._GENERATE_OVERRIDE_PREFIXES)
+    ic._ensure_generate_cli_defaults(raw)
+
+    generator = raw["generator"]
+    model_path = generator.get("model_path")
+    if not model_path:
+        raise ValueError("--pipeline pan2 needs a checkpoint: --generator.model_path PATH")
+    check_pan2_checkpoint(model_path)
+    pipeline = generator.setdefault("pipeline", {})
+    pipeline.setdefault("workload_type", "i2v")
+    pipeline.setdefault("components", {})["override_pipeline_cls_name"] = PIPELINE_CLASS_NAME
+    experimental = pipeline.setdefault("experimental", {})
+    config_fields = {k: experimental.pop(k) for k in list(experimental) if k in PAN2PipelineConfig.__dataclass_fields__}
+    config_fields.pop("pipeline_config", None)
+    experimental["pipeline_config"] = PAN2PipelineConfig(**config_fields)
+
+    request = raw["request"]
+    sampling = request.setdefault("sampling", {})
+    for key, value in PAN2_PRESET.defaults.items():
+        sampling.setdefault(key, value)
+    check_size(sampling["height"], sampling["width"])
+    image_path = request.get("inputs", {}).get("image_path")
+    if image_path is None:
+        raise ValueError("--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE")
+    load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
+
+    config = parse_config(RunConfig, raw)
+    ic._validate_num_gpus(config.generator.engine.num_gpus)
+    ic._validate_generate_prompt_sources(config)
+    apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
+    return config
+
+
+PIPELINES: dict[str, Callable] = {"pan2": _pan2_run_config}
+
+
+def _fail(message: str) -> None:
+    print(f"fastvideo generate: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def install() -> None:
+    """Wrap FastVideo's `GenerateSubcommand` (idempotent)."""
+    from fastvideo.entrypoints.cli.generate import GenerateSubcommand
+
+    if getattr(GenerateSubcommand, "_pan2_cli", False):
+        return
+    original_init = GenerateSubcommand.subparser_init
+    original_validate = GenerateSubcommand.validate
+
+    def subparser_init(self, subparsers):
+        parser = original_init(self, subparsers)
+        parser.add_argument("--pipeline", type=str, default=None, metavar="NAME",
+                            help=f"Plugin pipeline to run, with its defaults ({', '.join(sorted(PIPELINES))}); "
+                            "--config is then optional.")
+        parser.usage = ("fastvideo generate [--pipeline NAME] [--config RUN_CONFIG] [--dotted.override VALUE]")
+        return parser
+
+    def validate(self, args):
+        name = getattr(args, "pipeline", None)
+        if name is None:
+            return original_validate(self, args)
+        if name not in PIPELINES:
+            _fail(f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
+        try:
+            setattr(args, _ATTR, PIPELINES[name](args, getattr(args, "_unknown", None)))
+        except (ValueError, OSError) as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+    GenerateSubcommand.subparser_init = subparser_init
+    GenerateSubcommand.validate = validate
+    GenerateSubcommand._pan2_cli = True

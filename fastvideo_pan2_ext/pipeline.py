@@ -1,0 +1,40 @@
+"""`PAN2Pipeline`: FastVideo's Wan pipeline (which runs Wan2.2 TI2V) with PAN2's first-frame and decode stages."""
+
+from __future__ import annotations
+
+from fastvideo.pipelines.basic.wan.wan_pipeline import WanPipeline
+
+from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
+from fastvideo_pan2_ext.stages import PAN2DecodingStage, PAN2InputStage
+
+
+class PAN2Pipeline(WanPipeline):
+    """Wan2.2-TI2V's stages, with `PAN2InputStage` and `PAN2DecodingStage` in place of FastVideo's two."""
+
+    pipeline_config_cls = PAN2PipelineConfig
+    sampling_params_cls = PAN2SamplingParam
+
+    def __init__(self, model_path, fastvideo_args, *args, **kwargs):
+        # Before the modules load: loading the DiT is what imports FastVideo's attention backends, which read
+        # FASTVIDEO_FA4 once.
+        apply_fa4_policy()
+        super().__init__(model_path, fastvideo_args, *args, **kwargs)
+
+    def add_stage(self, stage_name, stage):
+        if stage_name == "input_validation_stage":
+            stage = PAN2InputStage()
+        elif stage_name == "decoding_stage":
+            stage = PAN2DecodingStage(vae=self.get_module("vae"), pipeline=self)
+        super().add_stage(stage_name, stage)
+
+    def create_pipeline_stages(self, fastvideo_args) -> None:
+        super().create_pipeline_stages(fastvideo_args)
+        replaced = {name: type(stage).__name__ for name, stage in self._stage_name_mapping.items()
+                    if name in ("input_validation_stage", "decoding_stage")}
+        if replaced != {"input_validation_stage": "PAN2InputStage", "decoding_stage": "PAN2DecodingStage"}:
+            raise RuntimeError(f"PAN2Pipeline expected FastVideo's Wan pipeline to add input_validation_stage and "
+                               f"decoding_stage; got {replaced}")
+
+
+EntryClass = PAN2Pipeline
