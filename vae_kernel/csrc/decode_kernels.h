@@ -1,0 +1,48 @@
+// Shared types of the Wan2.2 decoder kernels. Plain C++ (no torch): the binding converts tensors to these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace wan22 {
+
+// One 3D cross-correlation (PyTorch conv3d semantics, stride 1, no dilation) on channels-last bf16 tensors:
+//   x   [n, d, h, w, c]     contiguous
+//   wgt [k, t, r, s, c]     contiguous (KTRSC)
+//   out [n, z, p, q, k]     channel stride 1; the other strides are free (the sub-pixel upsample writes one phase of
+//                           an interleaved tensor through a strided view)
+//   z = d + pad_lo[0] + pad_hi[0] - t + 1, and likewise p (rows) and q (width).
+// out = conv(x, wgt) + bias (fp32, [k]) (+ residual, same shape and strides as a contiguous out), fp32 accumulation.
+struct Conv3dArgs {
+  const void* x = nullptr;
+  const void* wgt = nullptr;
+  const float* bias = nullptr;
+  const void* residual = nullptr;  // may be null
+  void* out = nullptr;
+  int n = 0, d = 0, h = 0, w = 0, c = 0;
+  int k = 0, t = 0, r = 0, s = 0;
+  int pad_lo[3] = {0, 0, 0};  // (d, h, w)
+  int pad_hi[3] = {0, 0, 0};
+  int64_t out_stride[4] = {0, 0, 0, 0};       // (n, z, p, q) in elements; channel stride is 1
+  int64_t residual_stride[4] = {0, 0, 0, 0};  // (n, z, p, q); used when residual != null
+
+  int z() const { return d + pad_lo[0] + pad_hi[0] - t + 1; }
+  int p() const { return h + pad_lo[1] + pad_hi[1] - r + 1; }
+  int q() const { return w + pad_lo[2] + pad_hi[2] - s + 1; }
+};
+
+// Each returns nullptr on success, else a static message saying what failed (no exceptions cross the boundary).
+// Channel counts (c, k) must be multiples of 8 (16-byte TMA alignment of bf16 rows).
+size_t conv3d_workspace_size(const Conv3dArgs& args);
+const char* conv3d_bf16(const Conv3dArgs& args, void* workspace, cudaStream_t stream);
+
+// out[i, :] = silu?(x[i, :] / max(||x[i, :]||_2, eps) * gamma) in fp32, stored as bf16. x, out: [rows, c] bf16
+// contiguous; gamma: [c] fp32 (already multiplied by sqrt(c), as Wan's RMS_norm scale does).
+const char* rms_norm_silu_bf16(const void* x, const float* gamma, void* out, int64_t rows, int c, bool silu,
+                               float eps, cudaStream_t stream);
+
+// The architecture this translation unit set was compiled for ("sm_90a", "sm_100a", ...).
+const char* compiled_arch();
+
+}  // namespace wan22
