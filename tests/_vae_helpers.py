@@ -1,0 +1,77 @@
+"""Seeded random-weight diffusers `AutoencoderKLWan` models for CPU tests (the oracle the decoders are checked against).
+
+The Wan2.2 layout (`is_residual=True`, `patch_size=2`, 12 in/out channels) at narrow widths: the real model has
+`base_dim 160, decoder_base_dim 256, z_dim 48`; these default to 8 / 8 / 8, which decodes in well under a second.
+Every parameter is overwritten with seeded noise so that no layer is an identity or a zero: convs get randn scaled by
+1/sqrt(fan_in) (activations stay O(1) through the whole decoder), biases 0.1 x randn, RMS-norm gammas 1 + 0.1 x randn.
+
+Import it from a test module as `from _vae_helpers import make_wan22_vae` (pytest puts `tests/` on `sys.path`), or
+use the fixtures in `conftest.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def randomize_parameters_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Overwrite every parameter of `module` in place with seeded noise of a sensible scale (see module docstring)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("gamma"):
+                value = 1.0 + 0.1 * noise
+            elif name.endswith("bias"):
+                value = 0.1 * noise
+            else:  # conv weights: [out, in, *kernel]
+                fan_in = math.prod(param.shape[1:])
+                value = noise / math.sqrt(fan_in)
+            param.copy_(value.to(param.dtype))
+    return module
+
+
+def make_wan22_vae(seed: int = 0, base_dim: int = 8, decoder_base_dim: int | None = None, z_dim: int = 8,
+                   dim_mult=(1, 2, 4, 4), num_res_blocks: int = 2):
+    """A diffusers `AutoencoderKLWan` of the Wan2.2 layout with seeded random weights, fp32, in eval mode."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(
+        base_dim=base_dim,
+        decoder_base_dim=decoder_base_dim if decoder_base_dim is not None else base_dim,
+        z_dim=z_dim,
+        dim_mult=list(dim_mult),
+        num_res_blocks=num_res_blocks,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        patch_size=2,
+        in_channels=12,
+        out_channels=12,
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+    return randomize_parameters_(vae, seed).eval()
+
+
+def make_wan21_vae(seed: int = 0, base_dim: int = 8, z_dim: int = 8):
+    """A diffusers `AutoencoderKLWan` of the Wan2.1 layout (`is_residual=False`, no patchify), seeded random weights."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * z_dim,
+                           latents_std=[1.0] * z_dim)
+    return randomize_parameters_(vae, seed).eval()
+
+
+def random_latents(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Seeded standard-normal latents of `shape` ([B, z_dim, T, h, w])."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32).to(dtype)
+
+
+def diffusers_decode(vae, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle: `vae.to(dtype).decode(z.to(dtype)).sample` (the VAE is cast in place)."""
+    with torch.no_grad():
+        return vae.to(dtype).decode(z.to(dtype)).sample

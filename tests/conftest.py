@@ -1,0 +1,20 @@
+"""Shared fixtures. The plain helpers live in `_vae_helpers.py` (import them as `from _vae_helpers import ...`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _vae_helpers import make_wan22_vae
+
+
+@pytest.fixture(scope="session")
+def wan22_vae():
+    """A narrow seeded random-weight Wan2.2-layout diffusers `AutoencoderKLWan` (fp32, eval). Do not modify it:
+    cast a `copy.deepcopy` of it instead."""
+    return make_wan22_vae(seed=0)
+
+
+@pytest.fixture(scope="session")
+def wan22_state_dict(wan22_vae):
+    """`wan22_vae`'s whole state dict (encoder included), fp32, as independent tensors."""
+    return {name: tensor.detach().clone() for name, tensor in wan22_vae.state_dict().items()}
