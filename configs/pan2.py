@@ -39,6 +39,11 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # A PAN2 config is made in the process that starts FastVideo's workers: decide FA4 here, so they inherit it
+        # before anything of FastVideo's is imported in them.
+        from fastvideo_pan2_ext.attention import apply_fa4_policy
+
+        apply_fa4_policy()
         if not isinstance(self.vae_decode_kernel, bool):
             raise ValueError(f"vae_decode_kernel must be a bool; got {self.vae_decode_kernel!r}")
         if (isinstance(self.vae_frames_per_pass, bool) or not isinstance(self.vae_frames_per_pass, int)

@@ -70,7 +70,14 @@ def check_size(height, width) -> None:
 
 def first_frame_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
     """(out_width, out_height) of the first frame: Wan2.2's rule, area = the requested height x width."""
-    return best_output_size(image_width, image_height, SIZE_MULTIPLE, SIZE_MULTIPLE, height * width)
+    try:
+        ow, oh = best_output_size(image_width, image_height, SIZE_MULTIPLE, SIZE_MULTIPLE, height * width)
+    except ZeroDivisionError:  # the rule rounds one side down to 0 px
+        ow = oh = 0
+    if ow < SIZE_MULTIPLE or oh < SIZE_MULTIPLE:
+        raise ImageInputError(f"image aspect ratio {image_width}x{image_height} is too extreme for a {height}x{width} "
+                              f"frame (one side would be under {SIZE_MULTIPLE} px); request a larger size")
+    return ow, oh
 
 
 def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:

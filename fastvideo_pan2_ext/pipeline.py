@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from fastvideo.pipelines.basic.wan.wan_pipeline import WanPipeline
 
-from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
+from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
 from fastvideo_pan2_ext.stages import PAN2DecodingStage, PAN2InputStage
+
+logger = logging.getLogger(__name__)
 
 
 class PAN2Pipeline(WanPipeline):
@@ -18,7 +24,10 @@ class PAN2Pipeline(WanPipeline):
     def __init__(self, model_path, fastvideo_args, *args, **kwargs):
         # Before the modules load: loading the DiT is what imports FastVideo's attention backends, which read
         # FASTVIDEO_FA4 once.
-        apply_fa4_policy()
+        set_here = apply_fa4_policy()
+        logger.info("PAN2 attention policy: %s=%s (%s); FastVideo modules that read it already loaded: %s", ENV_VAR,
+                    os.environ.get(ENV_VAR, "<unset>"), "set here" if set_here else "inherited or left as is",
+                    ", ".join(loaded_fa4_readers()) or "none")
         super().__init__(model_path, fastvideo_args, *args, **kwargs)
 
     def add_stage(self, stage_name, stage):
