@@ -1,0 +1,123 @@
+"""Row bands and their halo exchange: how one frame is split across ranks (and, run in turn, across tiles).
+
+A frame's latent rows are split into contiguous bands. Every 3x3 conv reads one row above and one below each output
+row, so before each such conv a band receives a 1-row halo from each neighbour (zeros at the frame's top and bottom
+edge, which is exactly the conv's zero padding). The ops never know whether their rows are a whole frame: see
+`ops.py`. Bands scale with the decoder's levels (a band of r latent rows is 2r rows after one upsample).
+
+`LocalRows` is the single-band case (no communication); `RankRows` runs the bands of a torch.distributed process
+group over point-to-point messages among the ranks that hold rows (a frame shorter than the group leaves the last
+ranks idle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def split_rows(height: int, parts: int) -> list[tuple[int, int]]:
+    """`height` rows as min(parts, height) contiguous near-equal bands (the first ones one row longer)."""
+    if height < 1 or parts < 1:
+        raise ValueError(f"need height >= 1 and parts >= 1; got height={height}, parts={parts}")
+    parts = min(parts, height)
+    size, extra = divmod(height, parts)
+    bands, start = [], 0
+    for i in range(parts):
+        stop = start + size + (1 if i < extra else 0)
+        bands.append((start, stop))
+        start = stop
+    return bands
+
+
+class LocalRows:
+    """The whole frame as one band: halos are the zero padding, gathers are the identity."""
+
+    def __init__(self, height: int) -> None:
+        self.bands = [(0, height)]
+        self.index = 0
+        self.is_root = True
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.bands[self.index]
+
+    def exchange_halos(self, window: torch.Tensor) -> None:
+        """window [F, rows + 2, W, C]: rows 0 and -1 are halos; at the frame edge they stay zero."""
+
+    def all_rows(self, band: torch.Tensor) -> torch.Tensor:
+        """band [F, rows, W, C] -> the whole frame's rows [F, H, W, C] (every band, in order)."""
+        return band
+
+    def gather_to_root(self, band: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each band's tensor (same shape except dim -2, the rows) on the root, in band order; None elsewhere."""
+        return [band]
+
+
+class RankRows(LocalRows):
+    """The bands of a process group: group rank i holds band i; ranks past the last band hold none."""
+
+    def __init__(self, height: int, pg, device: torch.device) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.bands = split_rows(height, dist.get_world_size(pg))
+        self.index = self.rank
+        self.is_root = self.rank == 0
+        # gloo moves CPU tensors only; NCCL moves the decoder's CUDA tensors directly.
+        backend = str(dist.get_backend(pg)).lower()
+        self.comm_device = device if "nccl" in backend else torch.device("cpu")
+
+    @property
+    def active(self) -> bool:
+        return self.index < len(self.bands)
+
+    def _peer(self, index: int) -> int:
+        return dist.get_global_rank(self.pg, index)
+
+    def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Send and receive (peer band index, tensor) pairs concurrently; received tensors are filled in place."""
+        ops, staged = [], []
+        for peer, tensor in sends:
+            ops.append(dist.P2POp(dist.isend, tensor.to(self.comm_device).contiguous(), self._peer(peer), self.pg))
+        for peer, tensor in recvs:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm_device)
+            ops.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), self.pg))
+            staged.append((tensor, buffer))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        for tensor, buffer in staged:
+            tensor.copy_(buffer)
+
+    def exchange_halos(self, window: torch.Tensor) -> None:
+        i, last = self.index, len(self.bands) - 1
+        sends, recvs = [], []
+        if i > 0:
+            sends.append((i - 1, window[:, 1]))
+            recvs.append((i - 1, window[:, 0]))
+        if i < last:
+            sends.append((i + 1, window[:, -2]))
+            recvs.append((i + 1, window[:, -1]))
+        self._exchange(sends, recvs)
+
+    def _band_shape(self, band: torch.Tensor, index: int, dim: int) -> list[int]:
+        scale = band.shape[dim] // (self.bands[self.index][1] - self.bands[self.index][0])
+        shape = list(band.shape)
+        shape[dim] = scale * (self.bands[index][1] - self.bands[index][0])
+        return shape
+
+    def all_rows(self, band: torch.Tensor) -> torch.Tensor:
+        parts = [band if j == self.index else torch.empty(self._band_shape(band, j, 1), dtype=band.dtype,
+                                                           device=band.device) for j in range(len(self.bands))]
+        others = [j for j in range(len(self.bands)) if j != self.index]
+        self._exchange([(j, band) for j in others], [(j, parts[j]) for j in others])
+        return torch.cat(parts, dim=1)
+
+    def gather_to_root(self, band: torch.Tensor) -> list[torch.Tensor] | None:
+        if not self.is_root:
+            self._exchange([(0, band)], [])
+            return None
+        parts = [band] + [torch.empty(self._band_shape(band, j, -2), dtype=band.dtype, device=band.device)
+                          for j in range(1, len(self.bands))]
+        self._exchange([], [(j, parts[j]) for j in range(1, len(self.bands))])
+        return parts

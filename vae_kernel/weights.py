@@ -1,0 +1,79 @@
+"""The decoder's weights: validation, their order, and the layouts the ops consume (prepared once).
+
+`weight_names(config)` lists every tensor the decoder reads, in execution order (reference.expected_shapes's order);
+`decoder_weights(state_dict)` returns them prepared, in that order — the list a compiled kernel consumes:
+
+| tensor                                   | prepared as                                                         |
+|------------------------------------------|---------------------------------------------------------------------|
+| conv weight [Co, Ci, kt, kh, kw]         | bf16 [Co, kt, kh, kw, Ci] (channels last); 2-D [Co, Ci, 1, 1] too   |
+| `*.upsampler.resample.1.weight` [Co,Ci,3,3] | bf16 [2, 2, Co, 2, 2, Ci]: the four 2x2 sub-pixel kernels (nearest-2x + 3x3 conv) |
+| `post_quant_conv.weight`                 | fp32 [Co, 1, 1, 1, Ci] (applied in fp32 to the caller's latents)    |
+| bias [Co]                                | fp32 [Co]                                                           |
+| RMS-norm gamma [C, 1, 1(, 1)]            | fp32 [C], multiplied by sqrt(C) (Wan's RMS_norm scale)              |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastvideo_pan2_ext.reference import WanVAEConfig, expected_shapes, infer_config
+
+# The Wan2.2 TI2V-5B VAE's decoder (DESIGN.md §3).
+WAN22_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=256, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                            temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+
+# Taps of nearest-2x + 3x3 conv seen from the low-resolution input: output phase a reads low-res offsets (a - 1, a)
+# with kernel rows combined as below (phase 0: w0 | w1 + w2; phase 1: w0 + w1 | w2).
+_SUBPIXEL_TAPS = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]],
+                               [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+
+
+def weight_names(config: WanVAEConfig | None = None) -> list[str]:
+    """Every tensor the decoder reads, in execution order (default: the real Wan2.2 decoder)."""
+    return list(expected_shapes(config or WAN22_CONFIG))
+
+
+def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
+    """[Co, Ci, 3, 3] -> [2, 2, Co, 2, 2, Ci]: the sub-pixel kernels, summed in fp32, rounded to bf16 once."""
+    taps = _SUBPIXEL_TAPS.to(w.device)
+    sub = torch.einsum("akr,cls,oirs->acoikl", taps, taps, w.float())
+    return sub.permute(0, 1, 2, 4, 5, 3).contiguous().to(torch.bfloat16)
+
+
+def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """One state-dict tensor in the layout the ops take (see the module table)."""
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"state_dict[{name!r}] has non-finite values")
+    if name.endswith(".gamma"):
+        return (tensor.float().flatten() * tensor.shape[0] ** 0.5).contiguous()
+    if name.endswith(".bias"):
+        return tensor.float().contiguous()
+    if name.endswith("upsampler.resample.1.weight"):
+        return subpixel_weights(tensor)
+    w = tensor if tensor.dim() == 5 else tensor.reshape(*tensor.shape[:2], 1, 1, 1)
+    w = w.permute(0, 2, 3, 4, 1).contiguous()
+    return w.float() if name == "post_quant_conv.weight" else w.to(torch.bfloat16)
+
+
+def state_dict_of(vae_or_state_dict) -> dict[str, torch.Tensor]:
+    """A state dict from diffusers' `AutoencoderKLWan` (any module with `state_dict()`) or a dict as is."""
+    if isinstance(vae_or_state_dict, dict):
+        return vae_or_state_dict
+    if callable(getattr(vae_or_state_dict, "state_dict", None)):
+        return vae_or_state_dict.state_dict()
+    raise ValueError("expected an AutoencoderKLWan (or any module with state_dict()) or a state dict; "
+                     f"got {type(vae_or_state_dict).__name__}")
+
+
+def load(vae_or_state_dict, device: torch.device) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """Validate the weights (every tensor present, with its shape, finite) and prepare them on `device`."""
+    sd = state_dict_of(vae_or_state_dict)
+    config = infer_config(sd)  # raises ValueError naming any missing or misshapen tensor
+    return config, {name: prepare(name, sd[name].detach().to(device)) for name in weight_names(config)}
+
+
+def decoder_weights(state_dict) -> list[torch.Tensor]:
+    """The prepared tensors, in `weight_names(infer_config(state_dict))` order, on the state dict's device."""
+    sd = state_dict_of(state_dict)
+    config = infer_config(sd)
+    return [prepare(name, sd[name].detach()) for name in weight_names(config)]
