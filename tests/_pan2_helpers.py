@@ -1,6 +1,6 @@
 """Helpers for the PAN2 plugin tests: the tiny checkpoint, sample and sign-off images, subprocess runners.
 
-Nothing here imports FastVideo or torch at module level (subprocess helpers are imported by spawned children).
+Nothing here imports FastVideo or torch at module level.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -30,6 +32,12 @@ def tiny_checkpoint(base: Path) -> Path:
         make_tiny_checkpoint(partial)
         partial.rename(out)  # a complete folder appears at once
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """Fixture: the tiny PAN2 checkpoint (import it into a test module: `from _pan2_helpers import tiny_ckpt`)."""
+    return tiny_checkpoint(tmp_path_factory.getbasetemp())
 
 
 def exif_rotated_jpeg(path: Path, width: int = 192, height: int = 128, orientation: int = 6) -> Path:
