@@ -2,8 +2,9 @@
 
 The CUDA kernels cannot run here, so the extension is replaced by `TorchKernels`, a torch implementation of the
 binding's documented contract (explicit per-side padding, strided destination, fp32 accumulation rounded once to
-bf16). Everything above it is the real code: `CompiledOps` (sub-pixel upsample, channel padding), the self-check
-cases, the allowance comparison, and the once-per-process failure memory behind "auto" and "cuda".
+bf16, the sub-pixel phase interleave). Everything above it is the real code: `make_ops`/`CompiledKernels` (sub-pixel
+upsample as one 4-phase conv, channel padding, fallbacks), the self-check cases, the allowance comparison, and the
+once-per-process failure memory behind "auto" and "cuda".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastvideo_pan2_ext.vae_kernel import compiled
+from fastvideo_pan2_ext.vae_kernel import compiled, ops, weights
 
 CPU = torch.device("cpu")
 
@@ -39,6 +40,12 @@ class TorchKernels:
         y = y + self.conv_error * y.abs().mean() * torch.randn_like(y)  # a forced mismatch when asked
         out.copy_(y)
 
+    def subpixel_scatter(self, y, out):
+        m, rows_plus_1, w_plus_1, _, co = y.shape
+        for a in (0, 1):
+            for c in (0, 1):
+                out[:, a::2, c::2].copy_(y[:, a:a + rows_plus_1 - 1, c:c + w_plus_1 - 1, 2 * a + c])
+
     def rms_norm_silu(self, x, gamma, out, silu, eps):
         xf = x.float()
         y = xf / xf.norm(dim=-1, keepdim=True).clamp_min(eps) * gamma
@@ -47,9 +54,11 @@ class TorchKernels:
 
 
 def test_self_check_passes_a_correct_op_table_on_every_case():
-    reports = compiled.self_check(compiled.CompiledOps(TorchKernels(), CPU), CPU)
-    names = [r.name for r in reports]
-    assert {"rms_norm_silu", "upsample2x_conv3x3", "conv3d 3x3x3 to 12 channels"} <= set(names)
+    table = compiled.make_ops(TorchKernels())
+    assert isinstance(table, ops.Ops) and table.name == "compiled"
+    reports = compiled.self_check(table, CPU)
+    names = " ".join(r.name for r in reports)
+    assert all(op in names for op in ("rms_norm_silu", "upsample2x_conv3x3", "conv3d 3x3x3 to 12 channels"))
     assert all(r.ok for r in reports), "\n".join(map(str, reports))
     # The cases are not trivial: the bf16 baseline really differs from the fp32 reference.
     assert all(r.baseline_rms_err > 0 for r in reports)
@@ -57,24 +66,33 @@ def test_self_check_passes_a_correct_op_table_on_every_case():
 
 def test_subpixel_upsample_equals_nearest_upsample_then_conv_in_fp32():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 2, 5, 7, 16, generator=g)
-    w = torch.randn(8, 3, 3, 16, generator=g)
+    x = torch.randn(2, 6, 7, 16, generator=g)  # 2 frames, 4 rows + 2 halo rows
+    w = torch.randint(-8, 9, (8, 16, 3, 3), generator=g).float()  # small integers: the bf16 folded taps are exact
     b = torch.randn(8, generator=g)
-    ops = compiled.CompiledOps(TorchKernels(), CPU)
-    out = torch.empty(2, 2, 10, 14, 8)
-    ops.upsample2x_conv3x3(x, w, b, out)
-    expected = compiled.reference_upsample2x_conv3x3(x, w, b)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    w_sub = weights.subpixel_weights(w).float()
+    kernels = compiled.CompiledKernels(TorchKernels())
+    out = torch.empty(2, 8, 14, 8)
+    # fp32 tensors take the portable op; check the kernel path's layout logic in fp32 by calling its steps directly
+    y = torch.empty(2, 1, 5, 8, 32)
+    kernels.ext.conv3d(x.view(2, 1, 6, 7, 16), w_sub.reshape(32, 1, 2, 2, 16), kernels._bias_per_phase(b), y, None,
+                       [0, 0, 1], [0, 0, 1])
+    kernels.ext.subpixel_scatter(y.view(2, 5, 8, 4, 8), out)
+    torch.testing.assert_close(out, compiled.reference_upsample2x_conv3x3(x, w, b), rtol=1e-4, atol=1e-4)
+    # and the portable op agrees with the same definition
+    portable = torch.empty_like(out)
+    ops.upsample2x_conv3x3(x, w_sub, b, portable)
+    torch.testing.assert_close(portable, out, rtol=1e-4, atol=1e-4)
 
 
 def test_output_channels_not_a_multiple_of_8_are_padded_and_cropped():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(1, 3, 4, 6, 16, generator=g)
-    w = torch.randn(12, 3, 3, 3, 16, generator=g)
+    x = torch.randn(1, 3, 4, 6, 16, generator=g).bfloat16()
+    w = torch.randn(12, 3, 3, 3, 16, generator=g).bfloat16()
     b = torch.randn(12, generator=g)
-    out = torch.empty(1, 1, 2, 6, 12)
-    compiled.CompiledOps(TorchKernels(), CPU).conv3d(x, w, b, out)
-    torch.testing.assert_close(out, compiled.reference_conv3d(x, w, b), rtol=1e-5, atol=1e-5)
+    out = torch.empty(1, 1, 2, 6, 12, dtype=torch.bfloat16)
+    compiled.make_ops(TorchKernels()).conv3d(x, w, b, out)
+    expected = compiled.reference_conv3d(x.float(), w.float(), b)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def test_allowance_rule_is_three_times_the_bf16_baseline_in_max_and_rms():
@@ -101,7 +119,7 @@ def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_proce
 
     def make_ops(device):
         calls.append(device)
-        return compiled.CompiledOps(kernels, device)
+        return compiled.make_ops(kernels)
 
     with pytest.warns(RuntimeWarning, match="OUTSIDE THE ALLOWANCE"):
         assert compiled.load_ops_or_none(CPU, make_ops=make_ops) is None
@@ -112,7 +130,7 @@ def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_proce
 
 def test_cuda_backend_raises_when_the_self_check_fails():
     def make_ops(device):
-        return compiled.CompiledOps(TorchKernels(conv_error=0.05), device)
+        return compiled.make_ops(TorchKernels(conv_error=0.05))
 
     with pytest.raises(compiled.CompiledUnavailable, match="failed the runtime self-check"):
         compiled.load_ops(CPU, make_ops=make_ops)
@@ -123,7 +141,7 @@ def test_a_passing_build_is_loaded_once_and_reused():
 
     def make_ops(device):
         calls.append(device)
-        return compiled.CompiledOps(TorchKernels(), device)
+        return compiled.make_ops(TorchKernels())
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

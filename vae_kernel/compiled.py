@@ -3,10 +3,10 @@ self-check that keeps an unverified build (sm_100a cannot be tested here) from e
 
 What the decoder calls:
 
-    ops = compiled.load_ops(device)      # CompiledOps, or CompiledUnavailable (a RuntimeError) saying why not
-    ops.conv3d(x, w, b, out, residual=None)
-    ops.rms_norm_silu(x, gamma, out, silu=True)
-    ops.upsample2x_conv3x3(x, w, b, out)
+    table = compiled.load_ops(device)    # an ops.Ops, or CompiledUnavailable (a RuntimeError) saying why not
+
+(ops.select_ops does exactly this for backend "auto" / "cuda"). The table is ops.TORCH_OPS with conv3d,
+rms_norm_silu and upsample2x_conv3x3 replaced by the extension's kernels, same signatures and layout rules.
 
 `load_ops` builds (first use; minutes) or loads (cached; about a second) the extension for the device's architecture,
 then runs `self_check` once per process and device. A build whose results fall outside the allowance of DESIGN.md §4
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import threading
 import warnings
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import build
+from . import build, ops, weights
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
     cutlass = cutlass_source_dir()
     includes = (str(cutlass / "include"), str(cutlass / "tools" / "util" / "include"), str(CSRC))
     cuda_flags = (
-        "-std=c++17", "-O3",
+        "-O3",
         "-DNDEBUG",  # without it ptxas serializes wgmma (warning C7510)
         f"-D{CUTLASS_FAMILY[arch]}", f'-DWAN22_ARCH_NAME="{arch}"',
         "--expt-relaxed-constexpr", "--expt-extended-lambda",
@@ -94,7 +95,7 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
         name=EXTENSION_NAME,
         sources=tuple(str(CSRC / s) for s in SOURCES),
         depends=tuple(str(CSRC / h) for h in HEADERS),
-        extra_cflags=("-O3", "-std=c++17"),
+        extra_cflags=("-O3",),
         extra_cuda_cflags=cuda_flags,
         extra_include_paths=includes,
         cuda_archs=(arch,),
@@ -121,97 +122,77 @@ def build_extension(arch: str, root: str | os.PathLike | None = None):
 # --------------------------------------------------------------------------------------------------- the op table
 
 
-def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
-    """Nearest-2x upsample then 3x3 conv == four 2x2 convs on the low-resolution input, one per output phase.
+class CompiledKernels:
+    """The extension's kernels behind the op signatures of `ops.py` (channels-last bf16, destination passing, the
+    current CUDA stream). A call the kernels do not cover (not bf16, a channel count the TMA alignment rules out)
+    goes to the portable op, so the table is total."""
 
-    w: [Co, 3, 3, Ci] (or [Co, 1, 3, 3, Ci]). Returns [2, 2, Co, 1, 2, 2, Ci] (row phase, column phase, filter): for
-    output row 2i+a the upsampled rows 2i+a-1..2i+a+1 come from low-res rows {i-1, i} (a=0: taps 0 | 1+2) or
-    {i, i+1} (a=1: taps 0+1 | 2); likewise for columns. Summed in fp32, rounded once to w's dtype.
-    """
-    if w.dim() == 5:
-        if w.shape[1] != 1:
-            raise ValueError(f"upsample conv weights must be [Co, 1, 3, 3, Ci]; got {list(w.shape)}")
-        w = w[:, 0]
-    if w.dim() != 4 or w.shape[1:3] != (3, 3):
-        raise ValueError(f"upsample conv weights must be [Co, 3, 3, Ci]; got {list(w.shape)}")
-    w32 = w.float()
-    # fold[a] maps 3 taps to 2 for output phase a
-    fold = w32.new_tensor([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]])  # [phase, new tap, old tap]
-    phases = torch.einsum("aur,bvs,krsc->abkuvc", fold, fold, w32)
-    return phases.unsqueeze(3).to(w.dtype).contiguous()
-
-
-class CompiledOps:
-    """The op table over the extension. Channels-last bf16 tensors, destination passing, current CUDA stream."""
-
-    name = "compiled"
-
-    def __init__(self, ext, device: torch.device):
+    def __init__(self, ext):
         self.ext = ext
-        self.device = device
         self.arch = ext.arch()
-        self._subpixel_cache: dict[tuple, torch.Tensor] = {}
+        self._bias4: dict[tuple, torch.Tensor] = {}
 
     def conv3d(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """out = conv(x, w) + b (+ residual): valid in time and rows, zero padding kw//2 in width."""
+               residual: torch.Tensor | None = None) -> None:
+        """out = conv(x, w) + b (+ residual): valid in time and rows, zero padding kw//2 in width (ops.conv3d)."""
         kw = w.shape[3]
-        if kw % 2 != 1:
-            raise ValueError(f"conv3d width kernel must be odd; got w {list(w.shape)}")
-        self._conv(x, w, b, out, residual, pad_lo=(0, 0, kw // 2), pad_hi=(0, 0, kw // 2))
-        return out
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16
+                or not x.is_contiguous() or x.shape[-1] % 8 or kw % 2 == 0):
+            return ops.conv3d(x, w, b, out, residual)
+        b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
+        pad_lo, pad_hi = [0, 0, kw // 2], [0, 0, kw // 2]
+        co = w.shape[0]
+        if co % 8 == 0:
+            self.ext.conv3d(x, w.contiguous(), b, out, residual, pad_lo, pad_hi)
+            return None
+        # e.g. conv_out's 12 channels: compute 16 (zero filters), keep 12
+        extra = 8 - co % 8
+        wide = out.new_empty((*out.shape[:4], co + extra))
+        self.ext.conv3d(x, F.pad(w, (0, 0) * 4 + (0, extra)).contiguous(), F.pad(b, (0, extra)), wide, None,
+                        pad_lo, pad_hi)
+        out.copy_(wide[..., :co] if residual is None else wide[..., :co] + residual)
+        return None
 
-    def rms_norm_silu(self, x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> torch.Tensor:
-        """out = silu?(x / max(||x||_C, 1e-12) * gamma); gamma already carries Wan's sqrt(C) scale."""
-        if gamma.dtype != torch.float32 or not gamma.is_contiguous():
-            gamma = gamma.float().contiguous()
-        self.ext.rms_norm_silu(x, gamma.reshape(-1), out, silu, 1e-12)
-        return out
+    def rms_norm_silu(self, x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
+        """out = silu?(x / max(||x||_C, 1e-12) * gamma), one fused pass (ops.rms_norm_silu)."""
+        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] % 8 or x.shape[-1] > 2048:
+            return ops.rms_norm_silu(x, gamma, out, silu)
+        gamma = gamma if gamma.dtype == torch.float32 and gamma.is_contiguous() else gamma.float().contiguous()
+        self.ext.rms_norm_silu(x, gamma.reshape(-1), out, silu, ops.RMS_EPS)
+        return None
 
-    def upsample2x_conv3x3(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [N, T, 2H, 2W, Co] = conv3x3(nearest2x(x)) + b with zero padding 1, as four sub-pixel 2x2 convs that
-        each write one phase of `out` through a strided view (no interleave pass)."""
-        n, t, h, wd, _ = x.shape
-        if out.shape[:4] != (n, t, 2 * h, 2 * wd):
-            raise ValueError(f"out must be [{n}, {t}, {2 * h}, {2 * wd}, Co] for x {list(x.shape)}; "
+    def upsample2x_conv3x3(self, x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """ops.upsample2x_conv3x3: one CUTLASS 2x2 conv computing all four phases (4 x Co channels, bias in the
+        epilogue) over x's valid rows, then one pass interleaving the phases into out."""
+        m, hi, width, ci = x.shape
+        co = w_sub.shape[2]
+        if (x.dtype != torch.bfloat16 or w_sub.dtype != torch.bfloat16 or not x.is_contiguous() or ci % 8 or co % 8
+                or out.stride(-1) != 1 or out.stride(-2) != co or out.stride(-3) != 2 * width * co):
+            return ops.upsample2x_conv3x3(x, w_sub, b, out)
+        if out.shape != (m, 2 * (hi - 2), 2 * width, co):
+            raise ValueError(f"out must be [{m}, {2 * (hi - 2)}, {2 * width}, {co}] for x {list(x.shape)}; "
                              f"got {list(out.shape)}")
-        phases = self._subpixel(w)
-        for a in (0, 1):
-            for c in (0, 1):
-                self._conv(x, phases[a, c], b, out[:, :, a::2, c::2, :], None,
-                           pad_lo=(0, 1 - a, 1 - c), pad_hi=(0, a, c))
-        return out
+        y = x.new_empty((m, 1, hi - 1, width + 1, 4 * co))
+        self.ext.conv3d(x.view(m, 1, hi, width, ci), w_sub.reshape(4 * co, 1, 2, 2, ci).contiguous(),
+                        self._bias_per_phase(b), y, None, [0, 0, 1], [0, 0, 1])
+        self.ext.subpixel_scatter(y.view(m, hi - 1, width + 1, 4, co), out)
+        return None
 
-    # -- helpers
-
-    def _subpixel(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
-        cached = self._subpixel_cache.get(key)
+    def _bias_per_phase(self, b: torch.Tensor) -> torch.Tensor:
+        key = (b.data_ptr(), b._version, b.numel())
+        cached = self._bias4.get(key)
         if cached is None:
-            if len(self._subpixel_cache) > 64:
-                self._subpixel_cache.clear()
-            cached = self._subpixel_cache[key] = subpixel_weights(w)
+            if len(self._bias4) > 64:
+                self._bias4.clear()
+            cached = self._bias4[key] = b.float().repeat(4).contiguous()
         return cached
 
-    def _conv(self, x, w, b, out, residual, pad_lo, pad_hi) -> None:
-        if b.dtype != torch.float32 or not b.is_contiguous():
-            b = b.float().contiguous()
-        co, ci = w.shape[0], w.shape[-1]
-        if ci % 8:  # TMA rows need 16-byte alignment: zero channels change nothing
-            extra = 8 - ci % 8
-            x = F.pad(x, (0, extra))
-            w = F.pad(w, (0, extra))
-        if co % 8:  # e.g. conv_out's 12 channels: compute 16, keep 12
-            extra = 8 - co % 8
-            wide = out.new_empty((*out.shape[:4], co + extra))
-            self.ext.conv3d(x.contiguous(), F.pad(w, (0, 0) * 4 + (0, extra)).contiguous(), F.pad(b, (0, extra)),
-                            wide, None, list(pad_lo), list(pad_hi))
-            if residual is not None:
-                out.copy_(wide[..., :co] + residual)
-            else:
-                out.copy_(wide[..., :co])
-            return
-        self.ext.conv3d(x.contiguous(), w.contiguous(), b, out, residual, list(pad_lo), list(pad_hi))
+
+def make_ops(ext) -> ops.Ops:
+    """The decoder's op table with the extension's kernels in place of the portable hot ops."""
+    kernels = CompiledKernels(ext)
+    return dataclasses.replace(ops.TORCH_OPS, name="compiled", conv3d=kernels.conv3d,
+                               rms_norm_silu=kernels.rms_norm_silu, upsample2x_conv3x3=kernels.upsample2x_conv3x3)
 
 
 # --------------------------------------------------------------------------------------------------- self-check
@@ -263,95 +244,145 @@ def compare_to_reference(name: str, candidate: torch.Tensor, reference: torch.Te
     )
 
 
-def reference_conv3d(x, w, b, residual=None, pad_w=None):
-    """conv3d in torch on channels-last tensors, in x's dtype (fp32: the reference; bf16: the release baseline)."""
-    kw = w.shape[3]
-    pad_w = kw // 2 if pad_w is None else pad_w
-    y = F.conv3d(x.permute(0, 4, 1, 2, 3), w.permute(0, 4, 1, 2, 3), b.to(x.dtype), padding=(0, 0, pad_w))
+def reference_conv3d(x, w, b, residual=None):
+    """ops.conv3d's definition in plain torch (NCDHW F.conv3d), computed in x's dtype."""
+    y = F.conv3d(x.permute(0, 4, 1, 2, 3), w.permute(0, 4, 1, 2, 3).to(x.dtype), b.to(x.dtype),
+                 padding=(0, 0, w.shape[3] // 2))
     y = y.permute(0, 2, 3, 4, 1)
     return y + residual if residual is not None else y
 
 
 def reference_rms_norm_silu(x, gamma, silu=True):
-    """Wan's RMS_norm (F.normalize * sqrt(C) * gamma; here gamma carries sqrt(C)) in fp32, cast back, then SiLU."""
-    y = (F.normalize(x.float(), dim=-1) * gamma.float()).to(x.dtype)
+    """Wan's RMS_norm (F.normalize * sqrt(C) * gamma; gamma here carries sqrt(C)) + SiLU, computed in x's dtype."""
+    y = F.normalize(x, dim=-1, eps=ops.RMS_EPS) * gamma.to(x.dtype)
     return F.silu(y) if silu else y
 
 
 def reference_upsample2x_conv3x3(x, w, b):
-    """nearest-2x upsample then a zero-padded 3x3 conv, per frame, in x's dtype."""
-    n, t, h, wd, c = x.shape
-    frames = x.reshape(n * t, h, wd, c).permute(0, 3, 1, 2)
-    up = F.interpolate(frames, scale_factor=2.0, mode="nearest")
-    w2 = (w[:, 0] if w.dim() == 5 else w).permute(0, 3, 1, 2)
-    y = F.conv2d(up, w2.to(x.dtype), b.to(x.dtype), padding=1)
-    return y.permute(0, 2, 3, 1).reshape(n, t, 2 * h, 2 * wd, -1)
+    """ops.upsample2x_conv3x3's definition from the original 3x3 weights w [Co, Ci, 3, 3]: nearest-2x upsample of
+    x [M, Hi, W, C] (rows include one halo row each side), 3x3 conv valid in rows, zero-padded in width, then the
+    rows that belong to the interior. Computed in x's dtype."""
+    up = F.interpolate(x.permute(0, 3, 1, 2), scale_factor=2.0, mode="nearest")
+    y = F.conv2d(up, w.to(x.dtype), b.to(x.dtype), padding=(0, 1))
+    return y[:, :, 1:-1].permute(0, 2, 3, 1)
 
 
 def _self_check_cases(device: torch.device, seed: int = 0) -> list[tuple[str, Callable, Callable]]:
-    """Small problems covering every op and shape family the decoder uses (incl. padded 12-channel output).
+    """Small problems covering every replaced op and the layouts the decoder uses: residuals, a 12-channel output
+    (padded), outputs written into strided windows.
 
-    Each case is (name, run(ops) -> candidate output, run_reference(dtype) -> reference output in that dtype)."""
+    Each case is (name, run(table) -> the table's output, reference(dtype) -> the definition computed in dtype)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    bf16 = torch.bfloat16
 
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
+    def rand(*shape, scale=1.0):  # rounded to bf16 once, so every path sees the same inputs
+        return (torch.randn(*shape, generator=g) * scale).to(bf16).to(device)
 
     cases = []
-    for name, (co, kt, kh, kw, ci), with_residual in [
-        ("conv3d 3x3x3 + residual", (32, 3, 3, 3, 64), True),
-        ("conv3d 3x3x3", (64, 3, 3, 3, 32), False),
-        ("conv3d 1x1x1", (32, 1, 1, 1, 16), True),
-        ("conv3d 3x1x1", (64, 3, 1, 1, 32), False),
-        ("conv3d 3x3x3 to 12 channels", (12, 3, 3, 3, 32), False),
+    for name, (co, kt, kh, kw, ci), with_residual, strided_out in [
+        ("conv3d 3x3x3 + residual", (32, 3, 3, 3, 64), True, False),
+        ("conv3d 3x3x3 into a strided window", (64, 3, 3, 3, 32), False, True),
+        ("conv3d 1x1x1 + residual", (32, 1, 1, 1, 16), True, False),
+        ("conv3d 3x1x1", (64, 3, 1, 1, 32), False, False),
+        ("conv3d 3x3x3 to 12 channels", (12, 3, 3, 3, 32), False, False),
     ]:
-        x = rand(1, kt + 2, kh + 5, 20, ci)
+        x = rand(2, kt + 2, kh + 5, 20, ci)
         w = rand(co, kt, kh, kw, ci, scale=(ci * kt * kh * kw) ** -0.5)
-        b = rand(co, scale=0.1)
-        res = rand(1, 3, 6, 20, co) if with_residual else None
+        b = rand(co, scale=0.1).float()
+        out_shape = (2, 3, 6, 20, co)
+        res = rand(*out_shape) if with_residual else None
 
-        def run(ops, x=x, w=w, b=b, res=res):
-            out = torch.empty(x.shape[0], x.shape[1] - w.shape[1] + 1, x.shape[2] - w.shape[2] + 1, x.shape[3],
-                              w.shape[0], device=device, dtype=torch.bfloat16)
-            bf = torch.bfloat16
-            return ops.conv3d(x.to(bf), w.to(bf), b, out, None if res is None else res.to(bf))
+        def run(table, x=x, w=w, b=b, res=res, out_shape=out_shape, strided_out=strided_out):
+            if strided_out:  # frames of a bigger buffer (the decoder's causal windows)
+                out = torch.zeros(out_shape[0], out_shape[1] + 2, *out_shape[2:], device=device, dtype=bf16)[:, 2:]
+            else:
+                out = torch.empty(out_shape, device=device, dtype=bf16)
+            table.conv3d(x, w, b, out, res)
+            return out
 
         def ref(dtype, x=x, w=w, b=b, res=res):
-            xb, wb = x.to(torch.bfloat16).to(dtype), w.to(torch.bfloat16).to(dtype)
-            rb = None if res is None else res.to(torch.bfloat16).to(dtype)
-            return reference_conv3d(xb, wb, b, rb)
+            return reference_conv3d(x.to(dtype), w.to(dtype), b, None if res is None else res.to(dtype))
 
         cases.append((name, run, ref))
 
-    x = rand(2, 3, 5, 7, 64, scale=3.0)
-    gamma = (1 + 0.1 * rand(64)) * 64 ** 0.5
-    cases.append(("rms_norm_silu",
-                  lambda ops: ops.rms_norm_silu(x.to(torch.bfloat16), gamma, torch.empty_like(x, dtype=torch.bfloat16)),
-                  lambda dtype: reference_rms_norm_silu(x.to(torch.bfloat16).to(dtype), gamma)))
+    xn = rand(2, 3, 5, 7, 64, scale=3.0)
+    gamma = ((1 + 0.1 * torch.randn(64, generator=g)) * 64 ** 0.5).to(device)
 
-    xu = rand(1, 2, 5, 6, 32)
-    wu = rand(16, 3, 3, 32, scale=(9 * 32) ** -0.5)
-    bu = rand(16, scale=0.1)
-    cases.append(("upsample2x_conv3x3",
-                  lambda ops: ops.upsample2x_conv3x3(xu.to(torch.bfloat16), wu.to(torch.bfloat16), bu,
-                                                     torch.empty(1, 2, 10, 12, 16, device=device,
-                                                                 dtype=torch.bfloat16)),
-                  lambda dtype: reference_upsample2x_conv3x3(xu.to(torch.bfloat16).to(dtype),
-                                                             wu.to(torch.bfloat16).to(dtype), bu)))
+    def run_norm(table):  # written into the interior rows of a haloed window, as the decoder does
+        window = torch.zeros(2, 5, 7, 7, 64, device=device, dtype=bf16)
+        out = window[:, 2:, 1:-1]
+        table.rms_norm_silu(xn, gamma, out)
+        return out
+
+    cases.append(("rms_norm_silu into a haloed window", run_norm,
+                  lambda dtype: reference_rms_norm_silu(xn.to(dtype), gamma)))
+
+    xu = rand(3, 6, 5, 32)  # 3 frames, 4 rows + 2 halo rows
+    wu = rand(16, 32, 3, 3, scale=(9 * 32) ** -0.5)
+    bu = rand(16, scale=0.1).float()
+    w_sub = weights.subpixel_weights(wu.float())
+
+    def run_up(table):
+        out = torch.empty(3, 8, 10, 16, device=device, dtype=bf16)
+        table.upsample2x_conv3x3(xu, w_sub, bu, out)
+        return out
+
+    cases.append(("upsample2x_conv3x3 (sub-pixel)", run_up,
+                  lambda dtype: reference_upsample2x_conv3x3(xu.to(dtype), wu.to(dtype), bu)))
     return cases
 
 
-def self_check(ops, device: torch.device) -> list[AllowanceReport]:
-    """Run `ops` on small problems and compare each output with the fp32 reference under the allowance, the baseline
-    being the same torch computation in bf16 (what the release bf16 decode does per layer). Returns every report;
-    the caller decides. Works for any op table with the compiled table's methods (on CPU too)."""
+def random_weights(config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded decoder weights of a sensible scale for `reference.WanVAEConfig` config (every tensor the decoder
+    reads): convs randn / sqrt(fan_in), biases 0.1 randn, RMS gammas 1 + 0.1 randn."""
+    from fastvideo_pan2_ext import reference  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in reference.expected_shapes(config).items():
+        noise = torch.randn(shape, generator=g)
+        if name.endswith("gamma"):
+            out[name] = 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            out[name] = 0.1 * noise
+        else:
+            out[name] = noise / math.prod(shape[1:]) ** 0.5
+    return out
+
+
+# A narrow Wan2.2-layout decoder (channels 8..32, 12 output channels) that decodes in well under a second.
+SELF_CHECK_CONFIG = dict(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                         temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+
+
+def decode_check(table, device: torch.device, latent_shape=(1, 8, 2, 3, 4)) -> AllowanceReport:
+    """Decode a small problem with `table` in the real decoder and judge the video against the fp32 reference decode
+    under the allowance (baseline: the release bf16 decode)."""
+    from fastvideo_pan2_ext import reference  # noqa: PLC0415
+    from .decoder import WanVAEDecoder  # noqa: PLC0415 - the decoder imports ops, which imports this lazily
+
+    weights_ = random_weights(reference.WanVAEConfig(**SELF_CHECK_CONFIG))
+    z = torch.randn(latent_shape, generator=torch.Generator().manual_seed(7)).to(device)
+    decoder = WanVAEDecoder(weights_, device=device, local=True, backend="torch", frames_per_pass=2)
+    decoder.ops = table  # the same decoder, with the table under test in place of the portable one
+    video = decoder.decode(z)
+    return compare_to_reference(f"decode {list(latent_shape)}", video, reference.decode(z, weights_, torch.float32),
+                                reference.decode(z, weights_, torch.bfloat16), unit_range=True)
+
+
+def self_check(table, device: torch.device) -> list[AllowanceReport]:
+    """Run `table` on small problems, each op alone and then a whole small decode, and compare each output with the
+    fp32 reference under the allowance; the baseline is the same computation in bf16 (for a decode: the release bf16
+    decode). Returns every report; the caller decides. Works for any op table (on CPU too)."""
     reports = []
     with _fp32_means_fp32():
         for name, run, ref in _self_check_cases(device):
-            candidate = run(ops)
+            candidate = run(table)
             reference = ref(torch.float32)
             baseline = ref(torch.bfloat16)
             reports.append(compare_to_reference(name, candidate, reference, baseline))
+        if all(r.ok for r in reports):  # a failed op already decides; the decode would only cost time
+            reports.append(decode_check(table, device))
     return reports
 
 
@@ -373,25 +404,25 @@ _lock = threading.Lock()
 _loaded: dict[tuple, object] = {}  # (device, factory) -> op table or the CompiledUnavailable it raised
 
 
-def verify_ops(ops, device: torch.device) -> None:
-    """Raise CompiledUnavailable when `ops` fails the self-check (the message lists every case)."""
-    reports = self_check(ops, device)
+def verify_ops(table, device: torch.device) -> None:
+    """Raise CompiledUnavailable when `table` fails the self-check (the message lists every case)."""
+    reports = self_check(table, device)
     failed = [r for r in reports if not r.ok]
     if failed:
         detail = "\n  ".join(str(r) for r in reports)
-        raise CompiledUnavailable(f"compiled kernels for {getattr(ops, 'arch', '?')} failed the runtime self-check "
+        raise CompiledUnavailable(f"op table {getattr(table, 'name', '?')} failed the runtime self-check "
                                   f"on {device}:\n  {detail}")
     logger.info("compiled kernels passed the self-check on %s:\n  %s", device, "\n  ".join(map(str, reports)))
 
 
-def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | None = None) -> CompiledOps:
+def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | None = None) -> ops.Ops:
     """The compiled op table for `device`: built or loaded from the cache, self-checked once per process.
 
     Raises CompiledUnavailable (with the reason) when there is no usable CUDA GPU, the GPU's architecture has no
     kernels, the toolchain or CUTLASS is missing, the build fails, or the self-check fails. A failure is remembered
     for the process and device (the same exception again, without rebuilding).
 
-    `make_ops(device) -> op table` replaces the build (a test hook: the self-check and the failure memory stay the
+    `make_ops(device) -> ops.Ops` replaces the build (a test hook: the self-check and the failure memory stay the
     real ones, e.g. for a deliberately wrong op table on CPU)."""
     device = torch.device(device)
     if make_ops is None:
@@ -410,8 +441,8 @@ def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | 
         if cached is not None:
             return cached
         try:
-            ops = make_ops(device)
-            verify_ops(ops, device)
+            table = make_ops(device)
+            verify_ops(table, device)
         except CompiledUnavailable as exc:
             _loaded[key] = exc
             raise
@@ -419,13 +450,13 @@ def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | 
             wrapped = CompiledUnavailable(f"compiled backend unavailable on {device}: {type(exc).__name__}: {exc}")
             _loaded[key] = wrapped
             raise wrapped from exc
-        _loaded[key] = ops
-        return ops
+        _loaded[key] = table
+        return table
 
 
-def _build_ops(device: torch.device) -> CompiledOps:
+def _build_ops(device: torch.device) -> ops.Ops:
     with torch.cuda.device(device):
-        return CompiledOps(build_extension(arch_for_device(device)), device)
+        return make_ops(build_extension(arch_for_device(device)))
 
 
 def load_ops_or_none(device: torch.device | str | int = "cuda", *, make_ops: Callable | None = None):

@@ -1,7 +1,7 @@
 // Thin torch binding of the decoder kernels: validates tensors, converts them to the plain argument structs of
 // decode_kernels.h and launches on the current stream. Destination passing: every op writes into `out`.
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <array>
@@ -68,23 +68,83 @@ void conv3d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::T
   at::Tensor workspace;
   if (workspace_bytes > 0) workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
   raise_if(wan22::conv3d_bf16(a, workspace_bytes ? workspace.data_ptr() : nullptr,
-                              at::cuda::getCurrentCUDAStream()));
+                              c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-// out = silu?(x / max(||x||_C, eps) * gamma), statistics in fp32; x, out: [..., C] bf16 contiguous.
+// Two [..., C] bf16 tensors of one shape as Slabs with one common decomposition: rows = the longest run of trailing
+// dims packed in both, then at most two outer dims (merged where both allow) with free strides.
+std::pair<wan22::Slab, wan22::Slab> to_slabs(const at::Tensor& x, const at::Tensor& out) {
+  const int64_t c = x.size(-1);
+  TORCH_CHECK(x.dim() >= 2 && x.stride(-1) == 1 && out.stride(-1) == 1,
+              "x and out must be [..., C] with unit channel stride; got strides ", x.strides(), " and ", out.strides());
+  int64_t rows = 1, expect_x = c, expect_o = c;
+  int d = x.dim() - 2;
+  for (; d >= 0 && (x.size(d) == 1 || (x.stride(d) == expect_x && out.stride(d) == expect_o)); --d) {
+    rows *= x.size(d);
+    expect_x *= x.size(d);
+    expect_o *= x.size(d);
+  }
+  struct Dim { int64_t size, sx, so; };
+  std::vector<Dim> outer;  // outermost first
+  for (int i = 0; i <= d; ++i) {
+    if (x.size(i) == 1) continue;
+    if (!outer.empty() && outer.back().sx == x.stride(i) * x.size(i) && outer.back().so == out.stride(i) * x.size(i)) {
+      outer.back() = {outer.back().size * x.size(i), x.stride(i), out.stride(i)};
+    } else {
+      outer.push_back({x.size(i), x.stride(i), out.stride(i)});
+    }
+  }
+  TORCH_CHECK(outer.size() <= 2, "x and out have too many strided dims: sizes ", x.sizes(), ", strides ",
+              x.strides(), " and ", out.strides());
+  wan22::Slab xs, os;
+  xs.data = x.data_ptr();
+  os.data = out.data_ptr();
+  xs.rows = os.rows = rows;
+  if (!outer.empty()) {
+    const Dim& inner = outer.back();
+    xs.outer1 = os.outer1 = inner.size;
+    xs.stride1 = inner.sx;
+    os.stride1 = inner.so;
+  }
+  if (outer.size() == 2) {
+    xs.outer0 = os.outer0 = outer[0].size;
+    xs.stride0 = outer[0].sx;
+    os.stride0 = outer[0].so;
+  }
+  return {xs, os};
+}
+
+// out = silu?(x / max(||x||_C, eps) * gamma), statistics in fp32; x, out: [..., C] bf16, trailing dims packed.
 void rms_norm_silu(const at::Tensor& x, const at::Tensor& gamma, at::Tensor& out, bool silu, double eps) {
   check_bf16_cuda(x, "x");
   check_bf16_cuda(out, "out");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "x and out must be contiguous (channels last)");
   TORCH_CHECK(out.sizes() == x.sizes(), "out must be ", x.sizes(), "; got ", out.sizes());
   const int64_t c = x.size(-1);
   TORCH_CHECK(gamma.is_cuda() && gamma.scalar_type() == at::kFloat && gamma.numel() == c && gamma.is_contiguous(),
               "gamma must be a contiguous float32 CUDA tensor of ", c, " elements; got ", gamma.scalar_type(), " ",
               gamma.sizes());
+  const auto [xs, os] = to_slabs(x, out);
   const c10::cuda::CUDAGuard guard(x.device());
-  raise_if(wan22::rms_norm_silu_bf16(x.data_ptr(), gamma.data_ptr<float>(), out.data_ptr(), x.numel() / c,
-                                     static_cast<int>(c), silu, static_cast<float>(eps),
-                                     at::cuda::getCurrentCUDAStream()));
+  raise_if(wan22::rms_norm_silu_bf16(xs, gamma.data_ptr<float>(), os, static_cast<int>(c), silu,
+                                     static_cast<float>(eps), c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// out[m, 2i + a, 2j + c] = y[m, i + a, j + c, 2a + c]: interleave the four sub-pixel phases.
+void subpixel_scatter(const at::Tensor& y, at::Tensor& out) {
+  check_bf16_cuda(y, "y");
+  check_bf16_cuda(out, "out");
+  TORCH_CHECK(y.dim() == 5 && y.size(3) == 4 && y.is_contiguous(), "y must be a contiguous [M, Hi - 1, W + 1, 4, Co] "
+              "tensor; got ", y.sizes());
+  const int64_t m = y.size(0), hi = y.size(1) + 1, w = y.size(2) - 1, co = y.size(4);
+  const std::array<int64_t, 4> expected{m, 2 * (hi - 2), 2 * w, co};
+  TORCH_CHECK(out.dim() == 4 && out.sizes() == at::IntArrayRef(expected), "out must be ", at::IntArrayRef(expected),
+              "; got ", out.sizes());
+  TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == co && out.stride(1) == 2 * w * co,
+              "out's rows, width and channels must be packed; got strides ", out.strides());
+  const c10::cuda::CUDAGuard guard(y.device());
+  raise_if(wan22::subpixel_scatter_bf16(y.data_ptr(), out.data_ptr(), m, static_cast<int>(hi), static_cast<int>(w),
+                                        static_cast<int>(co), m > 1 ? out.stride(0) : 0,
+                                        c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 }  // namespace
@@ -96,5 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pad_hi"));
   m.def("rms_norm_silu", &rms_norm_silu, "fused RMS-norm (fp32 statistics) + optional SiLU, bf16 out", py::arg("x"),
         py::arg("gamma"), py::arg("out"), py::arg("silu") = true, py::arg("eps") = 1e-12);
+  m.def("subpixel_scatter", &subpixel_scatter, "interleave the four sub-pixel phases of an upsample conv",
+        py::arg("y"), py::arg("out"));
   m.def("arch", []() { return std::string(wan22::compiled_arch()); }, "the GPU architecture this build targets");
 }

@@ -37,10 +37,25 @@ struct Conv3dArgs {
 size_t conv3d_workspace_size(const Conv3dArgs& args);
 const char* conv3d_bf16(const Conv3dArgs& args, void* workspace, cudaStream_t stream);
 
-// out[i, :] = silu?(x[i, :] / max(||x[i, :]||_2, eps) * gamma) in fp32, stored as bf16. x, out: [rows, c] bf16
-// contiguous; gamma: [c] fp32 (already multiplied by sqrt(c), as Wan's RMS_norm scale does).
-const char* rms_norm_silu_bf16(const void* x, const float* gamma, void* out, int64_t rows, int c, bool silu,
-                               float eps, cudaStream_t stream);
+// A channels-last activation viewed as [outer0, outer1, rows, c]: the (rows, c) slab is packed (row stride c), the
+// two outer dims (batch, frames) have free strides in elements, so a norm can write into the interior of a haloed
+// window without a copy.
+struct Slab {
+  void* data = nullptr;
+  int64_t outer0 = 1, outer1 = 1, rows = 0;
+  int64_t stride0 = 0, stride1 = 0;
+};
+
+// out = silu?(x / max(||x||_2 over c, eps) * gamma), statistics in fp32, stored as bf16. x and out have the same
+// outer0/outer1/rows; gamma: [c] fp32 (already multiplied by sqrt(c), as Wan's RMS_norm scale does).
+const char* rms_norm_silu_bf16(const Slab& x, const float* gamma, const Slab& out, int c, bool silu, float eps,
+                               cudaStream_t stream);
+
+// Sub-pixel upsample, second half: y [m, hi - 1, w + 1, 4, co] (the 2x2 conv of all four phases, bias included)
+// -> out [m, 2 (hi - 2), 2 w, co] with out[m, 2i + a, 2j + c] = y[m, i + a, j + c, 2a + c]. out's frame stride is
+// free (out_frame_stride elements); its (rows, width, channels) slab is packed.
+const char* subpixel_scatter_bf16(const void* y, void* out, int64_t m, int hi, int w, int co,
+                                  int64_t out_frame_stride, cudaStream_t stream);
 
 // The architecture this translation unit set was compiled for ("sm_90a", "sm_100a", ...).
 const char* compiled_arch();

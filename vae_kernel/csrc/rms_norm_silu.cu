@@ -14,14 +14,19 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v));
 
 // One warp per row; the row stays in registers between the reduction and the write.
 template <int VecsPerLane>
-__global__ void rms_norm_silu_kernel(const uint4* __restrict__ x, const float* __restrict__ gamma,
-                                     uint4* __restrict__ out, int64_t rows, int vecs_per_row, bool apply_silu,
-                                     float eps) {
+__global__ void rms_norm_silu_kernel(Slab x, const float* __restrict__ gamma, Slab out, int64_t total_rows,
+                                     int vecs_per_row, bool apply_silu, float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const uint4* xrow = x + row * vecs_per_row;
-  uint4* orow = out + row * vecs_per_row;
+  if (row >= total_rows) return;
+  const int64_t r = row % x.rows;
+  const int64_t i1 = (row / x.rows) % x.outer1;
+  const int64_t i0 = row / (x.rows * x.outer1);
+  const int c = vecs_per_row * kVec;
+  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(x.data) + i0 * x.stride0 +
+                                                     i1 * x.stride1 + r * c);
+  uint4* orow = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out.data) + i0 * out.stride0 +
+                                         i1 * out.stride1 + r * c);
 
   uint4 held[VecsPerLane];
   float sumsq = 0.f;
@@ -70,30 +75,34 @@ __global__ void rms_norm_silu_kernel(const uint4* __restrict__ x, const float* _
 }
 
 template <int VecsPerLane>
-void launch(const void* x, const float* gamma, void* out, int64_t rows, int vecs, bool silu_on, float eps,
+void launch(const Slab& x, const float* gamma, const Slab& out, int64_t total_rows, int vecs, bool silu_on, float eps,
             cudaStream_t stream) {
   constexpr int kWarps = 8;
-  const int64_t blocks = (rows + kWarps - 1) / kWarps;
+  const int64_t blocks = (total_rows + kWarps - 1) / kWarps;
   rms_norm_silu_kernel<VecsPerLane><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(
-      static_cast<const uint4*>(x), gamma, static_cast<uint4*>(out), rows, vecs, silu_on, eps);
+      x, gamma, out, total_rows, vecs, silu_on, eps);
 }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-const char* rms_norm_silu_bf16(const void* x, const float* gamma, void* out, int64_t rows, int c, bool silu_on,
-                               float eps, cudaStream_t stream) {
+const char* rms_norm_silu_bf16(const Slab& x, const float* gamma, const Slab& out, int c, bool silu_on, float eps,
+                               cudaStream_t stream) {
   if (c % kVec != 0) return "rms_norm_silu: channels must be a multiple of 8";
   if (c > 32 * kVec * kMaxVecsPerLane) return "rms_norm_silu: at most 2048 channels";
-  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(gamma)) % 16)
-    return "rms_norm_silu: tensors must be 16-byte aligned";
-  if (rows == 0) return nullptr;
-  if (rows > static_cast<int64_t>(8) * 0x7fffffff) return "rms_norm_silu: too many rows";
+  if (!aligned16(x.data) || !aligned16(out.data) || !aligned16(gamma) || x.stride0 % kVec || x.stride1 % kVec ||
+      out.stride0 % kVec || out.stride1 % kVec)
+    return "rms_norm_silu: tensors and their strides must be 16-byte aligned";
+  const int64_t total_rows = x.outer0 * x.outer1 * x.rows;
+  if (total_rows == 0) return nullptr;
+  if ((total_rows + 7) / 8 > 0x7fffffff) return "rms_norm_silu: too many rows";
   const int vecs = c / kVec;
   const int per_lane = (vecs + 31) / 32;
-  if (per_lane <= 1) launch<1>(x, gamma, out, rows, vecs, silu_on, eps, stream);
-  else if (per_lane <= 2) launch<2>(x, gamma, out, rows, vecs, silu_on, eps, stream);
-  else if (per_lane <= 4) launch<4>(x, gamma, out, rows, vecs, silu_on, eps, stream);
-  else launch<8>(x, gamma, out, rows, vecs, silu_on, eps, stream);
+  if (per_lane <= 1) launch<1>(x, gamma, out, total_rows, vecs, silu_on, eps, stream);
+  else if (per_lane <= 2) launch<2>(x, gamma, out, total_rows, vecs, silu_on, eps, stream);
+  else if (per_lane <= 4) launch<4>(x, gamma, out, total_rows, vecs, silu_on, eps, stream);
+  else launch<8>(x, gamma, out, total_rows, vecs, silu_on, eps, stream);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }

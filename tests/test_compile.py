@@ -1,0 +1,77 @@
+"""CI compile check: the real decoder extension compiles and links for sm_90a and sm_100a on a GPU-less machine,
+through the same build code and cache a GPU user gets (here into a temporary cache), and the built module imports.
+
+Cost on 2 cores: about 3-5 minutes per architecture (the CUTLASS conv file dominates). Needs nvcc (CUDA 12.8+ for
+sm_100a); without a toolkit the test is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastvideo_pan2_ext.vae_kernel import build, compiled
+
+pytestmark = [
+    pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine"),
+    pytest.mark.timeout(1800),
+]
+
+WARM_LOAD = """
+import json, sys, time
+start = time.monotonic()
+from fastvideo_pan2_ext.vae_kernel import compiled
+ext = compiled.build_extension(sys.argv[1], root=sys.argv[2])
+print(json.dumps({"arch": ext.arch(), "file": ext.__file__, "seconds": time.monotonic() - start}))
+"""
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    # Shared by name with tests/test_gpu_check.py, whose dry run then finds the sm_90a build (one compile per session).
+    root = tmp_path_factory.getbasetemp() / "wan22-compile-cache"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_extension_compiles_links_and_imports_without_a_gpu(arch, cache_root, monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", os.environ.get("MAX_JOBS", "1"))
+    start = time.monotonic()
+    ext = compiled.build_extension(arch, root=cache_root)
+    cold = time.monotonic() - start
+    print(f"\n{arch}: cold build {cold:.0f} s")
+    assert ext.arch() == arch
+    entry = build.published_entry(compiled.extension_spec(arch), cache_root)
+    assert ext.__file__ == str(entry / f"{compiled.EXTENSION_NAME}.so")
+    manifest = json.loads((entry / build.MANIFEST).read_text())
+    assert manifest["inputs"]["cuda_archs"] == [arch]
+    assert manifest["inputs"]["key_extras"]["cutlass"] == compiled.cutlass_version(compiled.cutlass_source_dir())
+    # The binding validates before touching CUDA: a CPU tensor is refused with a message, not a crash.
+    x = torch.zeros(1, 3, 3, 8, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
+        ext.conv3d(x, torch.zeros(8, 3, 3, 3, 8, dtype=torch.bfloat16), torch.zeros(8), torch.empty(1, 1, 1, 8, 8,
+                   dtype=torch.bfloat16), None, [0, 0, 1], [0, 0, 1])
+
+    # A second process finds the published build: no compiler, same file.
+    done = subprocess.run([sys.executable, "-c", WARM_LOAD, arch, str(cache_root)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warm = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{arch}: warm load {warm['seconds']:.1f} s (including importing torch)")
+    assert warm["file"] == ext.__file__ and warm["arch"] == arch
+    assert "building" not in done.stderr
+
+
+def test_architectures_get_different_keys_and_unknown_ones_are_refused():
+    keys = {compiled.extension_spec(a).cuda_archs: build.extension_key(compiled.extension_spec(a))
+            for a in ("sm_90a", "sm_100a", "sm_103a")}
+    assert len(set(keys.values())) == 3
+    with pytest.raises(ValueError, match="sm_90a"):
+        compiled.extension_spec("sm_80")
