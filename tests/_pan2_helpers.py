@@ -133,6 +133,9 @@ def fake_flash_attn(folder: Path) -> Path:
     (pkg / "__init__.py").write_text("def flash_attn_func(*args, **kwargs):\n    raise RuntimeError('stand-in')\n")
     (pkg / "cute" / "__init__.py").write_text("def flash_attn_func(*args, **kwargs):\n"
                                               "    raise RuntimeError('stand-in')\n")
+    # FastVideo's FA2 path also imports these names when its flash-attention module loads.
+    (pkg / "flash_attn_interface.py").write_text("def flash_attn_func(*args, **kwargs):\n    raise RuntimeError\n"
+                                                 "def _flash_attn_backward(*args, **kwargs):\n    raise RuntimeError\n")
     return folder
 
 
