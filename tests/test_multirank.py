@@ -1,0 +1,105 @@
+"""Multi-rank decode with real processes over gloo (CPU): N = 1, 2, 3, 4 ranks, each decoding a band of rows.
+
+Each world runs every scenario in one process group: a latent height not divisible by N, a height smaller than N
+(idle ranks), `local=True`, and ranks that disagree about the input (shape, or NaN on one rank), which must raise on
+every rank within the group's timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _decoder_allowance import Oracle, check_allowance, latents
+
+HEIGHT_NOT_DIVISIBLE = (1, 8, 3, 5, 3)  # 5 latent rows over 2, 3 or 4 ranks
+GROUP_TIMEOUT_S = 60
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+    sd = torch.load(f"{tmp}/state_dict.pt")
+    z = torch.load(f"{tmp}/latents.pt")
+    decoder = WanVAEDecoder(sd, device="cpu", frames_per_pass=2, backend="torch")
+    results = {"banded": _outcome(lambda: decoder.decode(z))}
+    short = z[:, :, :2, : max(world - 1, 1)]  # fewer latent rows than ranks: the last rank idles
+    results["short"] = _outcome(lambda: decoder.decode(short))
+    results["local"] = _outcome(lambda: WanVAEDecoder(sd, device="cpu", frames_per_pass=2, local=True,
+                                                     backend="torch").decode(short))
+    if world > 1:
+        mine = z[:, :, :2] if rank == world - 1 else z  # the last rank has a different T
+        results["shape_mismatch"] = _outcome(lambda: decoder.decode(mine))
+        bad = z.clone()
+        if rank == world - 1:
+            bad[0, 0, 0, 0, 0] = float("nan")
+        results["nan_on_one_rank"] = _outcome(lambda: decoder.decode(bad))
+    torch.save(results, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def oracle(wan22_vae, wan22_state_dict):
+    return Oracle(wan22_vae, wan22_state_dict)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world):
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+    z = latents(HEIGHT_NOT_DIVISIBLE, seed=5)
+    torch.save(wan22_state_dict, tmp_path / "state_dict.pt")
+    torch.save(z, tmp_path / "latents.pt")
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+    single = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+    ref32, release = oracle.decodes(z, HEIGHT_NOT_DIVISIBLE)
+    status, video = results[0]["banded"]
+    assert status == "ok", video
+    check_allowance(video, ref32, release)
+    # Exact halo exchange: the banded decode is the single-rank decode (measured bit-identical on CPU).
+    assert torch.equal(video, single.decode(z))
+    assert all(r["banded"] == ("ok", None) for r in results[1:]), "ranks other than 0 must return None"
+
+    short = z[:, :, :2, : max(world - 1, 1)]
+    expected_short = single.decode(short)
+    assert torch.equal(results[0]["short"][1], expected_short)
+    assert all(r["short"] == ("ok", None) for r in results[1:])
+    for r in results:  # local=True: every rank decodes the whole video itself
+        assert r["local"][0] == "ok" and torch.equal(r["local"][1], expected_short)
+
+    if world > 1:
+        for rank, r in enumerate(results):
+            status, message = r["shape_mismatch"]
+            assert status == "ValueError", f"rank {rank} did not refuse mismatched latents: {r['shape_mismatch']}"
+            assert "ranks disagree about the decode" in message
+            status, message = r["nan_on_one_rank"]
+            assert status == "ValueError"
+            expected = "NaN or Inf" if rank == world - 1 else f"rank {world - 1} of the decode group rejected"
+            assert expected in message, message
+
+
+def test_rows_split_into_near_equal_bands():
+    from fastvideo_pan2_ext.vae_kernel.bands import split_rows
+
+    assert split_rows(5, 2) == [(0, 3), (3, 5)]
+    assert split_rows(44, 8) == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 29), (29, 34), (34, 39), (39, 44)]
+    assert split_rows(3, 4) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="height >= 1"):
+        split_rows(0, 2)
