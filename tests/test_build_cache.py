@@ -93,7 +93,7 @@ def test_eight_racing_processes_all_succeed_and_agree_on_one_published_build(rac
 
 def test_racing_processes_without_the_lock_still_agree_on_one_published_build(tmp_path, source):
     offset = 3000 + uuid.uuid4().int % 1000
-    procs = [_start(tmp_path, source, offset, lock=False) for _ in range(3)]
+    procs = [_start(tmp_path, source, offset, lock=False) for _ in range(2)]
     results = [_finish(p) for p in procs]
     (entry,) = _entries(tmp_path)
     assert {r["file"] for r in results} == {str(entry / "tiny_cache_ext.so")}

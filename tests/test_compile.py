@@ -75,3 +75,8 @@ def test_architectures_get_different_keys_and_unknown_ones_are_refused():
     assert len(set(keys.values())) == 3
     with pytest.raises(ValueError, match="sm_90a"):
         compiled.extension_spec("sm_80")
+
+
+def test_every_source_and_header_in_csrc_is_built_and_hashed():
+    files = {p.name for p in compiled.CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh")}
+    assert files == set(compiled.SOURCES) | set(compiled.HEADERS)

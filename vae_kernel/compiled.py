@@ -34,7 +34,7 @@ from . import build, ops, weights
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu")
+SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu")
 HEADERS = ("decode_kernels.h",)
 EXTENSION_NAME = "wan22_vae_decode_ext"
 CUTLASS_DIR_ENV = "WAN22_CUTLASS_DIR"  # a CUTLASS source tree (include/, tools/util/include/) instead of the wheel's
