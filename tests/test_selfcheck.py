@@ -26,6 +26,7 @@ class TorchKernels:
     def __init__(self, conv_error: float = 0.0, norm_error: float = 0.0):
         self.conv_error = conv_error
         self.norm_error = norm_error
+        self.calls: list[tuple[str, tuple]] = []  # (kernel, output shape): proves the kernel path was taken
 
     def arch(self) -> str:
         return "torch-stand-in"
@@ -33,6 +34,7 @@ class TorchKernels:
     def conv3d(self, x, w, b, out, residual, pad_lo, pad_hi):
         assert x.is_contiguous() and w.is_contiguous() and out.stride(-1) == 1
         assert x.shape[-1] % 8 == 0 and w.shape[0] % 8 == 0, "the kernel contract needs channel multiples of 8"
+        self.calls.append(("conv3d", tuple(out.shape)))
         xp = F.pad(x.float(), (0, 0, pad_lo[2], pad_hi[2], pad_lo[1], pad_hi[1], pad_lo[0], pad_hi[0]))
         y = F.conv3d(xp.permute(0, 4, 1, 2, 3), w.float().permute(0, 4, 1, 2, 3), b.float()).permute(0, 2, 3, 4, 1)
         if residual is not None:
@@ -41,12 +43,14 @@ class TorchKernels:
         out.copy_(y)
 
     def subpixel_scatter(self, y, out):
+        self.calls.append(("subpixel_scatter", tuple(out.shape)))
         m, rows_plus_1, w_plus_1, _, co = y.shape
         for a in (0, 1):
             for c in (0, 1):
                 out[:, a::2, c::2].copy_(y[:, a:a + rows_plus_1 - 1, c:c + w_plus_1 - 1, 2 * a + c])
 
     def rms_norm_silu(self, x, gamma, out, silu, eps):
+        self.calls.append(("rms_norm_silu", tuple(out.shape)))
         xf = x.float()
         y = xf / xf.norm(dim=-1, keepdim=True).clamp_min(eps) * gamma
         y = F.silu(y) if silu else y
@@ -54,9 +58,13 @@ class TorchKernels:
 
 
 def test_self_check_passes_a_correct_op_table_on_every_case():
-    table = compiled.make_ops(TorchKernels())
+    kernels = TorchKernels()
+    table = compiled.make_ops(kernels)
     assert isinstance(table, ops.Ops) and table.name == "compiled"
     reports = compiled.self_check(table, CPU)
+    # every case ran on the kernels, not on a portable fallback: 5 conv cases + the upsample's 4-phase conv, ...
+    kinds = [kind for kind, _ in kernels.calls]
+    assert kinds[:8].count("conv3d") == 6 and "rms_norm_silu" in kinds[:8] and "subpixel_scatter" in kinds[:8]
     names = " ".join(r.name for r in reports)
     assert all(op in names for op in ("rms_norm_silu", "upsample2x_conv3x3", "conv3d 3x3x3 to 12 channels"))
     assert all(r.ok for r in reports), "\n".join(map(str, reports))
@@ -90,7 +98,9 @@ def test_output_channels_not_a_multiple_of_8_are_padded_and_cropped():
     w = torch.randn(12, 3, 3, 3, 16, generator=g).bfloat16()
     b = torch.randn(12, generator=g)
     out = torch.empty(1, 1, 2, 6, 12, dtype=torch.bfloat16)
-    compiled.make_ops(TorchKernels()).conv3d(x, w, b, out)
+    kernels = TorchKernels()
+    compiled.make_ops(kernels).conv3d(x, w, b, out)
+    assert kernels.calls == [("conv3d", (1, 1, 2, 6, 16))]
     expected = compiled.reference_conv3d(x.float(), w.float(), b)
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
@@ -157,3 +167,18 @@ def test_load_ops_without_a_gpu_says_why():
         compiled.load_ops("cuda")
     with pytest.raises(compiled.CompiledUnavailable, match="needs a CUDA device"):
         compiled.load_ops("cpu")
+
+
+def test_layouts_the_kernels_cannot_take_go_to_the_portable_op_with_the_same_result():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 3, 4, 6, 16, generator=g).bfloat16()
+    w = torch.randn(8, 3, 3, 3, 16, generator=g).bfloat16()
+    b = torch.randn(8, generator=g)
+    flat = torch.zeros(1 + 2 * 6 * 8, dtype=torch.bfloat16)
+    misaligned = flat[1:].view(1, 1, 2, 6, 8)  # base 2 bytes past an allocation: no 16-byte TMA access
+    kernels = TorchKernels()
+    compiled.make_ops(kernels).conv3d(x, w, b, misaligned)
+    assert kernels.calls == []
+    expected = torch.empty(1, 1, 2, 6, 8, dtype=torch.bfloat16)
+    ops.conv3d(x, w, b, expected)
+    assert torch.equal(misaligned, expected)

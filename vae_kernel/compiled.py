@@ -122,6 +122,12 @@ def build_extension(arch: str, root: str | os.PathLike | None = None):
 # --------------------------------------------------------------------------------------------------- the op table
 
 
+def _tma_ok(t: torch.Tensor | None) -> bool:
+    """The kernels' layout preconditions: bf16, unit channel stride, 16-byte aligned base and strides."""
+    return t is None or (t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                         and all(s % 8 == 0 for s in t.stride()[:-1]))
+
+
 class CompiledKernels:
     """The extension's kernels behind the op signatures of `ops.py` (channels-last bf16, destination passing, the
     current CUDA stream). A call the kernels do not cover (not bf16, a channel count the TMA alignment rules out)
@@ -136,12 +142,13 @@ class CompiledKernels:
                residual: torch.Tensor | None = None) -> None:
         """out = conv(x, w) + b (+ residual): valid in time and rows, zero padding kw//2 in width (ops.conv3d)."""
         kw = w.shape[3]
-        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16
-                or not x.is_contiguous() or x.shape[-1] % 8 or kw % 2 == 0):
+        co = w.shape[0]
+        if (w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[-1] % 8
+                or kw % 2 == 0 or not _tma_ok(x)
+                or (co % 8 == 0 and not (_tma_ok(out) and _tma_ok(residual)))):
             return ops.conv3d(x, w, b, out, residual)
         b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
         pad_lo, pad_hi = [0, 0, kw // 2], [0, 0, kw // 2]
-        co = w.shape[0]
         if co % 8 == 0:
             self.ext.conv3d(x, w.contiguous(), b, out, residual, pad_lo, pad_hi)
             return None
@@ -155,7 +162,7 @@ class CompiledKernels:
 
     def rms_norm_silu(self, x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
         """out = silu?(x / max(||x||_C, 1e-12) * gamma), one fused pass (ops.rms_norm_silu)."""
-        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[-1] % 8 or x.shape[-1] > 2048:
+        if x.shape[-1] % 8 or x.shape[-1] > 2048 or not (_tma_ok(x) and _tma_ok(out)):
             return ops.rms_norm_silu(x, gamma, out, silu)
         gamma = gamma if gamma.dtype == torch.float32 and gamma.is_contiguous() else gamma.float().contiguous()
         self.ext.rms_norm_silu(x, gamma.reshape(-1), out, silu, ops.RMS_EPS)
@@ -166,8 +173,8 @@ class CompiledKernels:
         epilogue) over x's valid rows, then one pass interleaving the phases into out."""
         m, hi, width, ci = x.shape
         co = w_sub.shape[2]
-        if (x.dtype != torch.bfloat16 or w_sub.dtype != torch.bfloat16 or not x.is_contiguous() or ci % 8 or co % 8
-                or out.stride(-1) != 1 or out.stride(-2) != co or out.stride(-3) != 2 * width * co):
+        if (w_sub.dtype != torch.bfloat16 or not x.is_contiguous() or ci % 8 or co % 8 or not _tma_ok(x)
+                or not _tma_ok(out) or out.stride(-2) != co or out.stride(-3) != 2 * width * co):
             return ops.upsample2x_conv3x3(x, w_sub, b, out)
         if out.shape != (m, 2 * (hi - 2), 2 * width, co):
             raise ValueError(f"out must be [{m}, {2 * (hi - 2)}, {2 * width}, {co}] for x {list(x.shape)}; "
