@@ -1,0 +1,397 @@
+"""Benchmark and audit of the fast Wan2.2 VAE decoder against the release bf16 decode, in one run.
+
+    python -m tools.bench --workload cpu-narrow --threads 1            # CPU: narrow widths, small frames
+    python tools/bench.py --workload gpu-real --frames 2 31 49 121     # GPU: the real decoder at 704x1248
+
+For each workload and latent frame count T it decodes the same seeded latents with
+- the fast decoder (`WanVAEDecoder`, each requested backend and rank count),
+- the release baseline: diffusers' `AutoencoderKLWan.to(bf16).decode(z.bf16())`, or, where diffusers is not installed
+  (the GPU machine has only torch), `reference.decode(z, sd, torch.bfloat16)`, which is bit-identical to it,
+- the fp32 reference (`reference.decode`), the oracle of the audit,
+and records the median time of N runs after a warm-up (CUDA events on GPU), peak memory (allocated and reserved on
+GPU; RSS on CPU, sampled during the decode), and the audit of DESIGN.md §4: d = video - fp32 reference, all finite
+and in [-1, 1], max|d| and RMS(d) within 3x the release decode's, and PSNR. Weights are seeded random weights of the
+workload's architecture (time and memory do not depend on their values). Writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's package importable as in `-m` use
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastvideo_pan2_ext import reference  # noqa: E402
+from fastvideo_pan2_ext.reference import WanVAEConfig, expected_shapes  # noqa: E402
+
+ALLOWANCE = 3.0
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    config: WanVAEConfig
+    latent_hw: tuple[int, int]
+    frames: tuple[int, ...]  # latent frame counts T
+    encoder_base_dim: int  # only for building diffusers' module (its encoder is never run)
+
+
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("cpu-narrow",
+                 WanVAEConfig(16, 16, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (6, 10), (2, 3, 5), 16),
+        Workload("cpu-tiny",
+                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (3, 4), (1, 2, 5), 8),
+        Workload("gpu-real",
+                 WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
+    ]
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Weights, latents and the baseline module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def random_state_dict(config: WanVAEConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded weights for every decoder tensor: convs randn / sqrt(fan_in), biases 0.1 randn, gammas 1 + 0.1 randn."""
+    generator = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in expected_shapes(config).items():
+        noise = torch.randn(shape, generator=generator)
+        if name.endswith("gamma"):
+            sd[name] = 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            sd[name] = 0.1 * noise
+        else:
+            sd[name] = noise / math.sqrt(math.prod(shape[1:]))
+    return sd
+
+
+def diffusers_vae(workload: Workload, sd: dict[str, torch.Tensor]):
+    """diffusers' AutoencoderKLWan with these decoder weights, or None where diffusers is not installed."""
+    try:
+        from diffusers import AutoencoderKLWan  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - absent or broken: the reference decode is the bit-identical stand-in
+        return None
+    c = workload.config
+    vae = AutoencoderKLWan(base_dim=workload.encoder_base_dim, decoder_base_dim=c.decoder_base_dim, z_dim=c.z_dim,
+                           dim_mult=list(c.dim_mult), num_res_blocks=c.num_res_blocks,
+                           temperal_downsample=list(reversed(c.temperal_upsample)), is_residual=True,
+                           patch_size=c.patch_size, in_channels=c.out_channels, out_channels=c.out_channels,
+                           latents_mean=[0.0] * c.z_dim, latents_std=[1.0] * c.z_dim)
+    missing, unexpected = vae.load_state_dict(sd, strict=False)
+    if unexpected or any(k.startswith(("decoder.", "post_quant_conv.")) for k in missing):
+        raise RuntimeError(f"diffusers module does not match the workload: missing {missing}, unexpected {unexpected}")
+    return vae.eval()
+
+
+def seeded_latents(workload: Workload, t: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + t)
+    return torch.randn((1, workload.config.z_dim, t, *workload.latent_hw), generator=generator)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _RssPeak:
+    """Peak resident memory of this process while the block runs (sampled every 2 ms from /proc)."""
+
+    def __enter__(self):
+        self.peak = self.start = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(fn, device: torch.device, repeats: int, warmup: int) -> tuple[torch.Tensor, dict]:
+    """Run fn() warmup + repeats times; returns the last output and {times_s, median_s, memory}."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+        del out
+    times, memory = [], {}
+    for _ in range(repeats):
+        out = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            stop.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(stop) / 1e3)
+            memory = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                      "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        else:
+            with _RssPeak() as rss:
+                t0 = time.perf_counter()
+                out = fn()
+                times.append(time.perf_counter() - t0)
+            memory = {"peak_rss_gib": rss.peak / 2**30, "rss_increase_gib": (rss.peak - rss.start) / 2**30}
+    return out, {"times_s": times, "median_s": statistics.median(times), **memory}
+
+
+def audit(video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> dict:
+    """DESIGN.md §4 against the fp32 reference, with the release decode's own error as the yardstick."""
+    v, r = video.float().cpu(), ref32.float().cpu()
+    d, dr = v - r, release.float().cpu() - r
+    max_d, rms_d = d.abs().max().item(), d.pow(2).mean().sqrt().item()
+    max_r, rms_r = dr.abs().max().item(), dr.pow(2).mean().sqrt().item()
+    finite_in_range = bool(torch.isfinite(v).all()) and v.abs().max().item() <= 1.0
+    return {
+        "max_d": max_d, "rms_d": rms_d, "release_max_d": max_r, "release_rms_d": rms_r,
+        "max_ratio": max_d / max_r if max_r else math.inf, "rms_ratio": rms_d / rms_r if rms_r else math.inf,
+        "psnr_db": 10 * math.log10(4.0 / max(d.pow(2).mean().item(), 1e-30)),
+        "release_psnr_db": 10 * math.log10(4.0 / max(dr.pow(2).mean().item(), 1e-30)),
+        "finite_in_range": finite_in_range,
+        "within_allowance": finite_in_range and max_d <= ALLOWANCE * max_r and rms_d <= ALLOWANCE * rms_r,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Multi-rank runs (real processes; gloo on CPU, NCCL on GPU)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _rank_worker(rank: int, world: int, tmp: str, spec: dict) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/rendezvous",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        sd, z = torch.load(f"{tmp}/inputs.pt")
+        decoder = WanVAEDecoder(sd, device=device, frames_per_pass=spec["frames_per_pass"], backend=spec["backend"])
+        z = z.to(device)
+
+        def run():
+            dist.barrier()
+            return decoder.decode(z)
+
+        video, stats = measure(run, device, spec["repeats"], spec["warmup"])
+        if rank == 0:
+            torch.save((video.cpu(), stats), f"{tmp}/result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, sd, z, spec: dict) -> tuple[torch.Tensor, dict]:
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save((sd, z.cpu()), f"{tmp}/inputs.pt")
+        mp.spawn(_rank_worker, args=(world, tmp, spec), nprocs=world, join=True)
+        return torch.load(f"{tmp}/result.pt")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+
+    frames = tuple(sorted(args.frames)) if args.frames else workload.frames
+    sd = random_state_dict(workload.config, seed=0)
+    sd_on_device = {k: v.to(device) for k, v in sd.items()}
+    vae = None if args.no_diffusers else diffusers_vae(workload, sd)
+    if vae is not None:
+        vae = vae.to(device=device, dtype=torch.bfloat16)
+        baseline_name = "diffusers AutoencoderKLWan bf16"
+
+        def baseline(z):
+            with torch.no_grad():
+                return vae.decode(z.to(torch.bfloat16)).sample
+    else:
+        baseline_name = "reference.decode bf16 (bit-identical to diffusers AutoencoderKLWan bf16; diffusers absent)"
+
+        def baseline(z):
+            return reference.decode(z.to(torch.bfloat16), sd_on_device, torch.bfloat16)
+
+    decoders = {backend: WanVAEDecoder(sd_on_device, device=device, frames_per_pass=args.frames_per_pass, local=True,
+                                       backend=backend) for backend in args.backends}
+    rows = []
+    for i, t in enumerate(frames):
+        # Warm-up runs (oneDNN / cuDNN set-up, allocator) only before the first, smallest frame count.
+        warmup, baseline_warmup = (args.warmup, args.baseline_warmup) if i == 0 else (0, 0)
+        z = seeded_latents(workload, t).to(device)
+        video_frames = 4 * t - 3
+        log(f"[{workload.name}] T={t} ({video_frames} frames): baseline ...")
+        release, stats = measure(lambda: baseline(z), device, args.baseline_repeats, baseline_warmup)
+        rows.append({"line": "release bf16 (baseline)", "backend": baseline_name, "ranks": 1, "latent_frames": t,
+                     "video_frames": video_frames, **stats})
+        ref32 = None
+        if t in (args.audit_frames or frames):
+            log(f"[{workload.name}] T={t}: fp32 reference ...")
+            ref32, stats = measure(lambda: reference.decode(z, sd_on_device, torch.float32), device, 1, 0)
+            rows.append({"line": "reference fp32", "backend": "reference.decode fp32", "ranks": 1,
+                         "latent_frames": t, "video_frames": video_frames, **stats})
+        for backend, decoder in decoders.items():
+            for world in args.ranks:
+                log(f"[{workload.name}] T={t}: WanVAEDecoder backend={decoder.backend} ranks={world} ...")
+                if world == 1:
+                    video, stats = measure(lambda: decoder.decode(z), device, args.repeats, warmup)
+                else:
+                    spec = {"threads": torch.get_num_threads(), "device": str(device), "backend": backend,
+                            "frames_per_pass": args.frames_per_pass, "repeats": args.repeats, "warmup": max(warmup, 1)}
+                    video, stats = run_ranks(world, sd, z, spec)
+                row = {"line": f"WanVAEDecoder {decoder.backend}" + (f" x{world} ranks" if world > 1 else ""),
+                       "backend": decoder.backend, "ranks": world, "frames_per_pass": args.frames_per_pass,
+                       "latent_frames": t, "video_frames": video_frames, **stats}
+                row["speedup_vs_release"] = rows[_index(rows, t)]["median_s"] / stats["median_s"]
+                if ref32 is not None:
+                    row["audit"] = audit(video, ref32, release)
+                    log(f"    {row['median_s']:.3f} s, {row['speedup_vs_release']:.2f}x release; audit {row['audit']}")
+                rows.append(row)
+                del video
+        del release, ref32
+    return {"workload": workload.name, "config": dataclasses.asdict(workload.config),
+            "latent_hw": list(workload.latent_hw), "video_hw": [16 * s for s in workload.latent_hw],
+            "baseline": baseline_name, "results": rows}
+
+
+def _index(rows: list[dict], t: int) -> int:
+    """Where this T's baseline row is."""
+    return next(i for i, r in enumerate(rows) if r["latent_frames"] == t and r["line"].startswith("release"))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(12, 4.2 * len(workloads)), squeeze=False)
+    for (ax_t, ax_m), w in zip(axes, workloads):
+        lines: dict[str, list[dict]] = {}
+        for r in w["results"]:
+            lines.setdefault(r["line"], []).append(r)
+        # On CPU the process's own footprint (torch, diffusers) dwarfs a small decode: plot what the decode adds.
+        mem_key = "peak_allocated_gib" if report["device"].startswith("cuda") else "rss_increase_gib"
+        for line, rs in lines.items():
+            xs = [r["video_frames"] for r in rs]
+            ax_t.plot(xs, [r["median_s"] for r in rs], marker="o", label=line)
+            ax_m.plot(xs, [r.get(mem_key, float("nan")) for r in rs], marker="o", label=line)
+        video = "x".join(map(str, w["video_hw"]))
+        ax_t.set(title=f"{w['workload']} ({video}): decode time", xlabel="video frames", ylabel="seconds (median)")
+        ax_m.set(title=f"{w['workload']}: peak memory", xlabel="video frames",
+                 ylabel="GiB " + ("peak allocated" if mem_key.startswith("peak_alloc") else "RSS increase (rank 0)"))
+        for ax in (ax_t, ax_m):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        ax_t.set_yscale("log")
+    fig.suptitle(f"Wan2.2 VAE decode on {report['device_name']} ({report['date']}, {report['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} ({len(names)} cores)"
+    except (OSError, IndexError):
+        return platform.processor() or "CPU"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", nargs="+", default=None, choices=sorted(WORKLOADS),
+                   help="default: cpu-narrow on CPU, gpu-real on GPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--frames", type=int, nargs="+", help="latent frame counts T (default: the workload's)")
+    p.add_argument("--audit-frames", type=int, nargs="+", help="T values to audit against fp32 (default: all)")
+    p.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "cuda", "torch"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts for the fast decoder")
+    p.add_argument("--frames-per-pass", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--baseline-repeats", type=int, default=1)
+    p.add_argument("--baseline-warmup", type=int, default=0, help="(warm-ups run before the first T only)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (recorded in the JSON)")
+    p.add_argument("--no-diffusers", action="store_true", help="use reference.decode bf16 as the baseline")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/<device>-<date>.json)")
+    args = p.parse_args(argv)
+    for name in ("frames", "audit_frames", "ranks"):
+        if any(v < 1 for v in getattr(args, name) or []):
+            p.error(f"--{name.replace('_', '-')} values must be >= 1; got {getattr(args, name)}")
+    if args.frames_per_pass < 1 or args.repeats < 1 or args.baseline_repeats < 1:
+        p.error("--frames-per-pass, --repeats and --baseline-repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    names = args.workload or (["gpu-real"] if device.type == "cuda" else ["cpu-narrow"])
+    date = datetime.date.today().isoformat()
+    out = args.out or RESULTS_DIR / f"{device.type}-{date}.json"
+
+    def log(message):
+        print(message, flush=True)
+
+    report = {
+        "date": date, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "allowance": f"max|d| and RMS(d) <= {ALLOWANCE} x the release bf16 decode's, against the fp32 reference",
+        "workloads": [],
+    }
+    for name in names:
+        report["workloads"].append(bench_workload(WORKLOADS[name], args, device, log))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))  # after each workload, so a long run keeps what it measured
+    plot(report, out.with_suffix(".png"))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
