@@ -14,8 +14,8 @@ gaps, and only when FastVideo's platform is CPU and torch sees no CUDA device (G
 4. With ``FASTVIDEO_STAGE_LOGGING=1`` every stage calls ``torch.cuda.synchronize()``, which raises without CUDA:
    with no CUDA device there is nothing to wait for, so it becomes a no-op.
 5. FastVideo's offload defaults (DiT/text encoder/image encoder/VAE offload, pinned memory, layerwise offload, FSDP
-   inference) need CUDA: `FastVideoArgs.finalize_device_offload_policy` (FastVideo's own per-device policy step, run
-   in each worker before the pipeline loads) turns them off on CPU.
+   inference) need CUDA (the parent, too, pins its output buffer): every `FastVideoArgs` made on such a machine gets
+   them turned off right after its own `__post_init__` (workers receive the parent's, already adjusted).
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ def install() -> bool:
     torch.autocast = autocast
     torch.cuda.synchronize = lambda device=None: None
 
-    original_finalize = FastVideoArgs.finalize_device_offload_policy
+    original_post_init = FastVideoArgs.__post_init__
 
-    def finalize_device_offload_policy(self, device_id: int = 0) -> bool:
+    def __post_init__(self) -> None:
+        original_post_init(self)
         use_cpu_settings(self)
-        return original_finalize(self, device_id)
 
-    FastVideoArgs.finalize_device_offload_policy = finalize_device_offload_policy
+    FastVideoArgs.__post_init__ = __post_init__
     logger.info("fastvideo_pan2_ext: no GPU; FastVideo set up to run on CPU (see fastvideo_pan2_ext.cpu_support)")
     return True

@@ -9,12 +9,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from fastvideo.distributed.parallel_state import get_local_torch_device
 from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
 from PIL import Image
 
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
+
+logger = logging.getLogger(__name__)
 
 
 class PAN2InputStage(InputValidationStage):
@@ -58,6 +62,8 @@ class PAN2DecodingStage(DecodingStage):
 
             self._kernel_decoder = WanVAEDecoder(self.vae, device=device, local=True, frames_per_pass=frames_per_pass)
             self._kernel_decoder_key = key
+            logger.info("PAN2 decode: WanVAEDecoder (backend %s, frames_per_pass %d) on %s",
+                        self._kernel_decoder.backend, frames_per_pass, device)
         return self._kernel_decoder
 
     @torch.no_grad()
