@@ -8,7 +8,10 @@
 4. Adds `PAN2Pipeline` to FastVideo's pipeline registry. That registry is a cached scan of
    ``fastvideo.pipelines.<type>.*`` (`EntryClass`), so the scan function is wrapped to add PAN2 to the ``basic``
    pipelines whenever it runs: nothing heavy is imported until FastVideo builds a pipeline.
-5. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`).
+5. Makes a `PAN2PipelineConfig` select `PAN2Pipeline`: FastVideo picks the pipeline class from the checkpoint, not
+   from the config, so `FastVideoArgs` made with a PAN2 config get ``override_pipeline_cls_name="PAN2Pipeline"``, and
+   their checkpoint is checked (`checkpoint.check_pan2_checkpoint`) in the process that makes them.
+6. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`).
 
 If ``import fastvideo`` happens while `fastvideo_pan2_ext.configs` is itself being imported (a user imported the
 config first), the config class does not exist yet: registration is deferred and completed by that module.
@@ -45,6 +48,7 @@ def register() -> None:
     _register_config()
     _register_preset()
     _register_pipeline_class()
+    _pan2_config_selects_pan2_pipeline()
     from fastvideo_pan2_ext import cli
 
     cli.install()
@@ -115,3 +119,23 @@ def _register_pipeline_class() -> None:
 
     import_pipeline_classes_with_pan2._pan2_wrapped = True
     pipeline_registry._import_pipeline_classes_cached = import_pipeline_classes_with_pan2
+
+
+def _pan2_config_selects_pan2_pipeline() -> None:
+    from fastvideo.fastvideo_args import FastVideoArgs
+
+    if getattr(FastVideoArgs.__post_init__, "_pan2_wrapped", False):
+        return
+    original = FastVideoArgs.__post_init__
+
+    def __post_init__(self) -> None:
+        from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
+        from fastvideo_pan2_ext.configs import PIPELINE_CLASS_NAME, PAN2PipelineConfig
+
+        if isinstance(self.pipeline_config, PAN2PipelineConfig) and self.override_pipeline_cls_name is None:
+            check_pan2_checkpoint(self.model_path)
+            self.override_pipeline_cls_name = PIPELINE_CLASS_NAME
+        original(self)
+
+    __post_init__._pan2_wrapped = True
+    FastVideoArgs.__post_init__ = __post_init__

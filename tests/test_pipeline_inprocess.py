@@ -296,3 +296,19 @@ def test_fa4_policy_warns_when_fastvideos_flash_attention_is_already_loaded(pan2
     finally:
         for name in [*added, *(m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn."))]:
             sys.modules.pop(name, None)
+
+
+def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoints(pan2, tiny_ckpt, tmp_path):
+    from fastvideo.fastvideo_args import FastVideoArgs
+
+    from fastvideo_pan2_ext.checkpoint import NotPAN2CheckpointError
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), pipeline_config=PAN2PipelineConfig())
+    assert args.override_pipeline_cls_name == "PAN2Pipeline"
+    other = tmp_path / "wan-t2v"
+    shutil.copytree(tiny_ckpt, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
+    with pytest.raises(NotPAN2CheckpointError, match=r"is not a PAN2 checkpoint: model_index.json _class_name"):
+        FastVideoArgs.from_kwargs(model_path=str(other), pipeline_config=PAN2PipelineConfig())
