@@ -25,7 +25,7 @@ import re
 import pytest
 import torch
 
-from _vae_helpers import diffusers_decode, make_wan21_vae, random_latents
+from _vae_helpers import diffusers_decode, make_wan21_vae, random_latents, random_wan22_decoder_weights
 from fastvideo_pan2_ext import reference
 
 Z_DIM = 8
@@ -165,14 +165,15 @@ def test_tf32_flags_are_restored_when_the_decode_raises(restore_tf32_flags):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_decode_is_true_fp32_with_tf32_enabled_globally(wan22_state_dict, restore_tf32_flags):
+def test_cuda_decode_is_true_fp32_with_tf32_enabled_globally(restore_tf32_flags):
+    weights = random_wan22_decoder_weights(seed=7)  # no diffusers needed on the GPU machine
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     z = random_latents((1, Z_DIM, 3, 4, 4), seed=600)
-    video, seen = _decode_recording_tf32(z.cuda(), wan22_state_dict)
+    video, seen = _decode_recording_tf32(z.cuda(), weights)
     assert set(seen) == {(False, False)}
     assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     # TF32 (10-bit mantissa) would put the difference near 1e-3; true fp32 stays at fp32 rounding.
-    assert (video.cpu() - reference.decode(z, wan22_state_dict)).abs().max().item() < 1e-4
+    assert (video.cpu() - reference.decode(z, weights)).abs().max().item() < 1e-4
 
 
 # --- bad inputs ------------------------------------------------------------------------------------------------------
