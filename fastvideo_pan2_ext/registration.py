@@ -84,8 +84,8 @@ def _register_config() -> None:
         pipeline_cls_name=PIPELINE_CLASS_NAME,
     )
     # FastVideo takes the first matching detector in registration order; put PAN2's first.
-    ours = [entry for entry in registry._MODEL_NAME_DETECTORS if entry[1] is looks_like_pan2]
-    registry._MODEL_NAME_DETECTORS[:] = ours + [e for e in registry._MODEL_NAME_DETECTORS if e[1] is not looks_like_pan2]
+    detectors = registry._MODEL_NAME_DETECTORS
+    detectors.sort(key=lambda entry: entry[1] is not looks_like_pan2)  # stable: the others keep their order
     registry.get_model_info.cache_clear()
 
 

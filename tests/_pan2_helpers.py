@@ -12,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 FASTVIDEO_CLI = str(VENV_BIN / "fastvideo")
+
+# Nothing in these tests may reach the network (Hugging Face hub lookups included).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 # The e2e request: a 3:2 first frame at 64x96 (area 6144 -> exactly 96 wide x 64 high), 9 frames = 4 x 3 - 3.
 E2E_HEIGHT, E2E_WIDTH, E2E_FRAMES = 64, 96, 9
@@ -26,18 +28,12 @@ def tiny_checkpoint(base: Path) -> Path:
     """The tiny PAN2 checkpoint under `base` (made once per test session; later calls reuse it)."""
     out = base / "pan2-tiny"
     if not (out / "model_index.json").exists():
-        from fastvideo_pan2_ext.tiny import make_tiny_checkpoint
-
         partial = base / f"pan2-tiny.partial-{os.getpid()}"
-        make_tiny_checkpoint(partial)
+        proc = run([sys.executable, "-m", "fastvideo_pan2_ext.tiny", str(partial)], env_extra=OFFLINE)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == str(partial)
         partial.rename(out)  # a complete folder appears at once
     return out
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    """Fixture: the tiny PAN2 checkpoint (import it into a test module: `from _pan2_helpers import tiny_ckpt`)."""
-    return tiny_checkpoint(tmp_path_factory.getbasetemp())
 
 
 def exif_rotated_jpeg(path: Path, width: int = 192, height: int = 128, orientation: int = 6) -> Path:

@@ -18,3 +18,11 @@ def wan22_vae():
 def wan22_state_dict(wan22_vae):
     """`wan22_vae`'s whole state dict (encoder included), fp32, as independent tensors."""
     return {name: tensor.detach().clone() for name, tensor in wan22_vae.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny PAN2 checkpoint, made once per session by `python -m fastvideo_pan2_ext.tiny` (see _pan2_helpers)."""
+    from _pan2_helpers import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.getbasetemp())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, exif_rotated_jpeg, fake_flash_attn,
-                           last_json_line, run, run_python, tiny_ckpt, video_frames_and_size)  # noqa: F401
+from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, exif_rotated_jpeg,
+                           fake_flash_attn, last_json_line, run, video_frames_and_size)
 
 
 def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckpt, tmp_path):
@@ -18,7 +18,8 @@ def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckp
                 "--request.prompt", "a cat on a sofa", "--request.inputs.image_path", str(image),
                 "--request.sampling.height", str(E2E_HEIGHT), "--request.sampling.width", str(E2E_WIDTH),
                 "--request.sampling.num_frames", str(E2E_FRAMES), "--request.sampling.num_inference_steps", "2",
-                "--request.sampling.guidance_scale", "1.0", "--request.output.output_path", str(video)])
+                "--request.sampling.guidance_scale", "1.0", "--request.output.output_path", str(video)],
+               env_extra=OFFLINE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     frames, size = video_frames_and_size(video)
     # 3 latent frames -> 4 x 3 - 3 video frames; the stored (landscape) pixels, not the EXIF-rotated portrait.
@@ -57,7 +58,7 @@ def test_python_api_with_decode_kernel_writes_video_and_workers_inherit_fa4(tiny
     script.write_text(API_SCRIPT)
     stand_in = fake_flash_attn(tmp_path / "stand_in")
     proc = run([sys.executable, str(script), str(tiny_ckpt), str(image), str(video)],
-               env_extra={"PYTHONPATH": str(stand_in)})
+               env_extra={"PYTHONPATH": str(stand_in), **OFFLINE})
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     frames, size = video_frames_and_size(video)

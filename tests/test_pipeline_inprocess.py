@@ -14,8 +14,8 @@ import sys
 
 import pytest
 import torch
-from _pan2_helpers import (E2E_HEIGHT, E2E_WIDTH, decompression_bomb_png, exif_rotated_jpeg, fake_flash_attn,
-                           make_signoff_images, tiny_ckpt, truncated_png)  # noqa: F401 (tiny_ckpt is a fixture)
+from _pan2_helpers import (decompression_bomb_png, exif_rotated_jpeg, fake_flash_attn, make_signoff_images,
+                           truncated_png)
 
 from fastvideo_pan2_ext import reference
 

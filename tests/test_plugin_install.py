@@ -7,7 +7,6 @@ packages processed) is started on that directory alone.
 
 from __future__ import annotations
 
-import json
 import sys
 import sysconfig
 import textwrap

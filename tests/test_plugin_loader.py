@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from _pan2_helpers import last_json_line, run_python, tiny_ckpt  # noqa: F401 (fixture)
+from _pan2_helpers import last_json_line, run_python
 
 
 def test_startup_installs_only_the_import_hook():
@@ -73,7 +73,7 @@ REGISTRATION_FACTS = textwrap.dedent("""
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
     from fastvideo_pan2_ext import registration, register
     register(); register()
-    info = registry.get_model_info(sys.argv[1])
+    info = registry._get_config_info(sys.argv[1])
     print(json.dumps({
         "registered": registration._registered,
         "same_class": PAN2PipelineConfig is configs.PAN2PipelineConfig,
@@ -81,7 +81,7 @@ REGISTRATION_FACTS = textwrap.dedent("""
         "pan2_configs": sum(i.pipeline_config_cls is PAN2PipelineConfig for i in registry._CONFIG_REGISTRY.values()),
         "first_detector": registry._MODEL_NAME_DETECTORS[0][1].__qualname__,
         "config_for_checkpoint": registry.get_pipeline_config_cls_from_name(sys.argv[1]).__name__,
-        "pipeline_for_checkpoint": info.pipeline_cls.__name__,
+        "pipeline_for_checkpoint": info.pipeline_cls_name,
         "sampling_for_checkpoint": info.sampling_param_cls.__name__,
         "preset": presets.get_preset("pan2", "pan2").defaults,
         "cli_patched": GenerateSubcommand.__dict__.get("_pan2_cli", False),
