@@ -40,7 +40,7 @@ class WanVAEConfig:
     decoder_base_dim: int  # 256 for Wan2.2
     dim_mult: tuple[int, ...]  # (1, 2, 4, 4)
     num_res_blocks: int  # 2
-    temperal_upsample: tuple[bool, ...]  # (True, True, False): the decoder's order
+    temperal_upsample: tuple[bool, ...]  # (True, True, False): per upsampling level, in the decoder's order
     out_channels: int  # channels before unpatchify (12 = 3 x 2 x 2)
     patch_size: int  # 2 for Wan2.2
 
@@ -104,7 +104,12 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     dim_mult = tuple(o // base for o in reversed(outs))
     if top != base * dim_mult[-1]:
         raise ValueError(f"decoder.conv_in has {top} output channels; expected {base * dim_mult[-1]}")
-    temperal_upsample = tuple(f"decoder.up_blocks.{i}.upsampler.time_conv.weight" in sd for i in levels)
+    # One entry per upsampling level (all but the last); a level upsamples in time iff it has a time_conv.
+    temperal_upsample = tuple(any(k.startswith(f"decoder.up_blocks.{i}.upsampler.time_conv.") for k in sd)
+                              for i in levels[:-1])
+    if sum(temperal_upsample) != 2:
+        raise ValueError(f"decoder upsamples in time at {sum(temperal_upsample)} levels; Wan2.2's 4x temporal "
+                         "compression needs 2")
 
     out_channels = _require_present(sd, "decoder.conv_out.weight").shape[0]
     patch_size = int(math.isqrt(out_channels // 3))
@@ -112,8 +117,12 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
         raise ValueError(f"decoder.conv_out has {out_channels} output channels; expected 3 x p x p")
 
     config = WanVAEConfig(z_dim, base, dim_mult, num_res_blocks, temperal_upsample, out_channels, patch_size)
-    for name, shape in expected_shapes(config).items():
+    expected = expected_shapes(config)
+    for name, shape in expected.items():
         _require(sd, name, shape)
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise ValueError(f"state_dict has decoder tensors this architecture does not use: {unexpected[:5]}")
     return config
 
 
@@ -356,9 +365,12 @@ def best_output_size(w: int, h: int, dw: int, dh: int, expected_area: int) -> tu
     oh = expected_area / ow
     # Width first, then height first; keep whichever keeps the aspect ratio better.
     ow1 = int(ow // dw * dw)
-    oh1 = int(expected_area / ow1 // dh * dh)
+    oh1 = int(expected_area / ow1 // dh * dh) if ow1 else 0
     oh2 = int(oh // dh * dh)
-    ow2 = int(expected_area / oh2 // dw * dw)
+    ow2 = int(expected_area / oh2 // dw * dw) if oh2 else 0
+    if 0 in (ow1, oh1, ow2, oh2):
+        raise ValueError(f"a {w}x{h} image is too elongated for an output of area {expected_area} in multiples of "
+                         f"{dw}x{dh}; ask for a larger height x width")
     ratio1, ratio2 = ow1 / oh1, ow2 / oh2
     if max(ratio / ratio1, ratio1 / ratio) < max(ratio / ratio2, ratio2 / ratio):
         return ow1, oh1

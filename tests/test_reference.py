@@ -224,11 +224,6 @@ def test_missing_weight_raises_a_value_error_naming_it(wan22_state_dict, missing
         reference.decode(random_latents((1, Z_DIM, 1, 2, 2), seed=0), sd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reference.infer_config ignores keys it does not expect: without its weight, a time_conv's leftover bias "
-    "is skipped and the level silently loses its temporal upsample (2T-1 frames instead of 4T-3)",
-)
 def test_time_conv_weight_missing_beside_its_bias_raises(wan22_state_dict):
     missing = "decoder.up_blocks.1.upsampler.time_conv.weight"
     sd = {k: v for k, v in wan22_state_dict.items() if k != missing}
