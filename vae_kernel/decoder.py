@@ -8,7 +8,11 @@ The same math as `reference.decode` (diffusers' `AutoencoderKLWan.decode`), orga
   copies per conv per pass, not a `torch.cat` of every frame;
 - a pass decodes `frames_per_pass` latent frames at once (the first latent frame, which becomes one video frame,
   always goes alone: its temporal upsamplers pass it through and its DupUp shortcut keeps one frame of two);
-- rows come in bands (`bands.py`): one band for a local decode, one band per rank across a process group.
+- rows come in bands (`bands.py`): one band for a local decode, one band per rank across a process group;
+- tiled decode (`tile_rows`) runs row tiles one after another, each over the whole clip, so only one tile's
+  activations and histories are alive at a time. It is exact, not blended: the mid block (whose attention sees the
+  whole frame) runs on the whole frame at latent resolution, and each tile then carries enough extra rows, cropped
+  level by level (`tile_margins`), that the zero rows at its cut edges never reach the rows it keeps.
 
 Batch elements are decoded one after another: they are independent, and it keeps every activation of a pass
 contiguous.
@@ -81,12 +85,44 @@ class _DecodeState:
         return buffer[:, :frames]
 
 
+def tile_margins(config) -> tuple[int, list[int]]:
+    """Extra rows a tile carries past its own rows on each cut side: (at the mid block's second resnet, in latent
+    rows; at the start of each up block, in that level's rows). A cut edge's zero halo spoils one more row per 3x3
+    conv, and a nearest-2x + 3x3 upsample of c spoiled rows gives 2c + 1; working back from the output (the last
+    level's convs plus conv_out) gives the margins that keep every kept row exact (Wan2.2: 15 and 13, 12, 10, 7)."""
+    convs = 2 * (config.num_res_blocks + 1)
+    margin = convs + 1  # the last level: its resnets' convs and conv_out
+    margins = [margin]
+    for _ in range(len(config.dim_mult) - 1):
+        margin = math.ceil((margin + 2 * convs + 1) / 2)
+        margins.insert(0, margin)
+    return margins[0] + 2, margins  # + the mid block's second resnet
+
+
+class _Tile:
+    """The latent rows [start, stop) a tile keeps, of a frame `height` latent rows high, and the rows it holds now."""
+
+    def __init__(self, start: int, stop: int, height: int, config) -> None:
+        self.start, self.stop, self.height = start, stop, height
+        self.mid_margin, self.margins = tile_margins(config)
+        self.held_start = 0  # first row held, at the current level's scale (the mid block starts on the whole frame)
+
+    def crop(self, x: torch.Tensor, scale: int, margin: int) -> torch.Tensor:
+        """x [1, F, rows held, W, C] at `scale` x latent rows -> the rows within `margin` of this tile's own."""
+        a = max(self.start * scale - margin, 0)
+        b = min(self.stop * scale + margin, self.height * scale)
+        offset = a - self.held_start
+        self.held_start = a
+        return x[:, :, offset:offset + b - a].contiguous()
+
+
 class _Pass:
-    """One pass of the decoder over `frames` latent frames of one sample's band of rows."""
+    """One pass of the decoder over `frames` latent frames of one sample's band of rows (or one tile)."""
 
     def __init__(self, ops: Ops, p: dict[str, torch.Tensor], config, rows: LocalRows, state: _DecodeState,
-                 first: bool) -> None:
+                 first: bool, tile: _Tile | None = None) -> None:
         self.ops, self.p, self.config, self.rows, self.state, self.first = ops, p, config, rows, state, first
+        self.tile = tile
 
     def _empty(self, *shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.bfloat16, device=self.state.device)
@@ -174,6 +210,8 @@ class _Pass:
     def up_block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         name = f"decoder.up_blocks.{i}"
+        if self.tile is not None:
+            x = self.tile.crop(x, 2 ** i, self.tile.margins[i])
         block_input = x
         for j in range(c.num_res_blocks + 1):
             x = self.residual_block(f"{name}.resnets.{j}", x)
@@ -183,6 +221,8 @@ class _Pass:
         x = self.upsample(f"{name}.upsampler", x, temporal)
         factor_t = 2 if temporal else 1
         self.ops.dup_up_add(block_input, x, factor_t, factor_t - 1 if self.first else 0)
+        if self.tile is not None:
+            self.tile.held_start *= 2
         return x
 
     def run(self, z: torch.Tensor) -> torch.Tensor:
@@ -202,10 +242,16 @@ class _Pass:
         x = self.causal_conv("decoder.conv_in", fill, frames, rows, width, self.config.z_dim)
         x = self.residual_block("decoder.mid_block.resnets.0", x)
         x = self.attention_block("decoder.mid_block.attentions.0", x)
+        if self.tile is not None:
+            self.tile.held_start = 0
+            x = self.tile.crop(x, 1, self.tile.mid_margin)
         x = self.residual_block("decoder.mid_block.resnets.1", x)
         for i in range(len(self.config.dim_mult)):
             x = self.up_block(i, x)
-        return self.norm_conv("decoder.norm_out", "decoder.conv_out", x)
+        x = self.norm_conv("decoder.norm_out", "decoder.conv_out", x)
+        if self.tile is not None:
+            x = self.tile.crop(x, 2 ** (len(self.config.dim_mult) - 1), 0)
+        return x
 
 
 class WanVAEDecoder:
@@ -217,12 +263,14 @@ class WanVAEDecoder:
     [-1, 1] (for patch size 2). With a process group of N ranks each rank decodes a band of rows and rank 0 returns the
     video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto" (compiled where built
     and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU too).
+    `tile_rows=n` (or `enable_tiling(n)`): exact tiled decode of a single-rank decoder, n latent rows per tile.
     """
 
     def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int = 4, local: bool = False,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", tile_rows: int | None = None) -> None:
         if isinstance(frames_per_pass, bool) or not isinstance(frames_per_pass, int) or frames_per_pass < 1:
             raise ValueError(f"frames_per_pass must be an int >= 1; got {frames_per_pass!r}")
+        self.tile_rows = None
         self.device = _resolve_device(device)
         self.frames_per_pass = frames_per_pass
         self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
@@ -234,6 +282,19 @@ class WanVAEDecoder:
         else:
             self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self._fingerprint = self._config_fingerprint()
+        if tile_rows is not None:
+            self.enable_tiling(tile_rows)
+
+    def enable_tiling(self, tile_rows: int) -> None:
+        """Decode in tiles of `tile_rows` latent rows, one after another (exact; peak memory falls with the tile)."""
+        if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
+            raise ValueError(f"tile_rows must be an int >= 1; got {tile_rows!r}")
+        if self.pg is not None:
+            raise ValueError("tiled decode runs on one rank: pass local=True (or no process group) to use tile_rows")
+        self.tile_rows = tile_rows
+
+    def disable_tiling(self) -> None:
+        self.tile_rows = None
 
     @property
     def backend(self) -> str:
@@ -342,6 +403,8 @@ class WanVAEDecoder:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None."""
+        if self.tile_rows is not None:
+            return self._decode_tiled(latents)
         chunks = self.decode_iter(latents)
         video = None
         for b, frame, chunk in chunks:
@@ -350,6 +413,32 @@ class WanVAEDecoder:
             if video is None:
                 video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
             video[b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)
+        return video
+
+
+    def _decode_tiled(self, latents: torch.Tensor) -> torch.Tensor:
+        """Tile by tile, each over the whole clip, so one tile's state is alive at a time (see the module notes)."""
+        self._check_input(latents, None)
+        batch, _, t, height, _ = latents.shape
+        tiles = [(s, min(s + self.tile_rows, height)) for s in range(0, height, self.tile_rows)]
+        passes = self._passes(t)
+        video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
+        scale, p = 8 * self.config.patch_size, self.config.patch_size
+        whole_frame = LocalRows(height)
+        progress = _progress(batch * len(tiles) * len(passes), True)
+        with torch.no_grad(), _no_tf32():
+            for b in range(batch):
+                for start, stop in tiles:
+                    state = _DecodeState(self.device)
+                    for t0, t1 in passes:
+                        tile = _Tile(start, stop, height, self.config)
+                        out = _Pass(self.ops, self.weights, self.config, whole_frame, state, t0 == 0, tile).run(
+                            latents[b, :, t0:t1])
+                        frame = 0 if t0 == 0 else 4 * t0 - 3
+                        self.ops.unpatchify_clamp(
+                            out, video[b:b + 1, :, frame:frame + out.shape[1], scale * start:scale * stop], p)
+                        progress.update(1)
+        progress.close()
         return video
 
 

@@ -1,0 +1,71 @@
+"""Exact tiled decode (`tile_rows`): tiles of rows decoded one after another give the plain decode, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastvideo_pan2_ext.vae_kernel.decoder as decoder_module
+from _decoder_allowance import latents
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+SHAPE = (2, 8, 3, 23, 3)  # batch 2, an odd frame height, several passes
+
+
+@pytest.fixture(scope="module")
+def plain(wan22_state_dict):
+    z = latents(SHAPE, seed=4)
+    return z, WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch").decode(z)
+
+
+@pytest.mark.parametrize("tile_rows", [2, 7, 22, 40])
+def test_tiled_decode_is_the_plain_decode(wan22_state_dict, plain, tile_rows):
+    z, expected = plain
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
+    assert torch.equal(decoder.decode(z), expected)
+
+
+def test_enable_and_disable_tiling_switch_the_route(wan22_state_dict, plain):
+    z, expected = plain
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+    decoder.enable_tiling(5)
+    assert decoder.tile_rows == 5 and torch.equal(decoder.decode(z), expected)
+    decoder.disable_tiling()
+    assert decoder.tile_rows is None
+
+
+def test_tile_margins_are_what_makes_tiles_exact(wan22_state_dict, plain, monkeypatch):
+    """One row less of margin at the last level and the zero rows at a tile's cut edge reach the video."""
+    z, expected = plain
+    exact = decoder_module.tile_margins
+
+    def one_short(config):
+        mid, margins = exact(config)
+        return mid, [*margins[:-1], margins[-1] - 1]
+
+    monkeypatch.setattr(decoder_module, "tile_margins", one_short)
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=4)
+    assert not torch.equal(decoder.decode(z), expected)
+
+
+def test_tile_margins_of_the_wan22_decoder():
+    from fastvideo_pan2_ext.vae_kernel import WAN22_CONFIG
+
+    assert decoder_module.tile_margins(WAN22_CONFIG) == (15, [13, 12, 10, 7])
+
+
+@pytest.mark.parametrize("tile_rows", [0, -2, 1.5, True])
+def test_tile_rows_must_be_a_positive_int(wan22_state_dict, tile_rows):
+    with pytest.raises(ValueError, match=r"tile_rows must be an int >= 1; got"):
+        WanVAEDecoder(wan22_state_dict, device="cpu", tile_rows=tile_rows)
+
+
+def test_tiling_needs_a_single_rank_decoder(wan22_state_dict, tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="tiled decode runs on one rank"):
+            WanVAEDecoder(wan22_state_dict, device="cpu", tile_rows=4)
+        assert WanVAEDecoder(wan22_state_dict, device="cpu", tile_rows=4, local=True).tile_rows == 4
+    finally:
+        dist.destroy_process_group()
