@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel import build, compiled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,9 @@ pytestmark = [
 def test_dry_run_exercises_build_correctness_and_timing_and_writes_the_json(tmp_path, tmp_path_factory):
     root = tmp_path_factory.getbasetemp() / "wan22-compile-cache"
     root.mkdir(exist_ok=True)
-    env = dict(os.environ, GPU_CHECK_FORCE_SHIM="1", MAX_JOBS=os.environ.get("MAX_JOBS", "1"))
+    # The same CUTLASS tree as test_compile.py (else the script would pick build/gpu_bundle if present: another key).
+    env = dict(os.environ, GPU_CHECK_FORCE_SHIM="1", MAX_JOBS=os.environ.get("MAX_JOBS", "1"),
+               WAN22_CUTLASS_DIR=str(compiled.cutlass_source_dir()))
     done = subprocess.run([str(REPO / "tools" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path),
                            "--build-root", str(root)], capture_output=True, text=True, env=env, timeout=1700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -9,18 +9,24 @@ What the decoder calls:
 rms_norm_silu and upsample2x_conv3x3 replaced by the extension's kernels, same signatures and layout rules.
 
 `load_ops` builds (first use; minutes) or loads (cached; about a second) the extension for the device's architecture,
-then runs `self_check` once per process and device. A build whose results fall outside the allowance of DESIGN.md §4
-raises `CompiledUnavailable`; "auto" callers catch it and use the portable path (`load_ops_or_none` does this with a
-warning), "cuda" callers let it propagate.
+then runs `self_check` (each op on small problems, then a small whole decode, against the fp32 reference under the
+allowance of DESIGN.md §4) in a child process, so a faulting kernel cannot poison the caller's CUDA context; a pass
+is remembered beside the cached build for that GPU model, driver and torch. A build outside the allowance raises
+`CompiledUnavailable`; "auto" callers catch it and use the portable path (`ops.select_ops`, or `load_ops_or_none`
+with a warning), "cuda" callers let it propagate. Either way the verdict holds for the rest of the process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -85,7 +91,7 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
     cuda_flags = (
         "-O3",
         "-DNDEBUG",  # without it ptxas serializes wgmma (warning C7510)
-        f"-D{CUTLASS_FAMILY[arch]}", f'-DWAN22_ARCH_NAME="{arch}"',
+        f"-D{CUTLASS_FAMILY[arch]}", f"-DWAN22_ARCH={arch[3:].rstrip('a')}",
         "--expt-relaxed-constexpr", "--expt-extended-lambda",
         # torch's defaults hide the half/bf16 operators CUTLASS relies on
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -411,26 +417,90 @@ _lock = threading.Lock()
 _loaded: dict[tuple, object] = {}  # (device, factory) -> op table or the CompiledUnavailable it raised
 
 
+def judge(reports: list[AllowanceReport], what: str, device) -> None:
+    """Raise CompiledUnavailable unless every report is within the allowance (the message lists every case)."""
+    if not reports or not all(r.ok for r in reports):
+        detail = "\n  ".join(str(r) for r in reports) or "no reports"
+        raise CompiledUnavailable(f"{what} failed the runtime self-check on {device}:\n  {detail}")
+    logger.info("%s passed the self-check on %s:\n  %s", what, device, "\n  ".join(map(str, reports)))
+
+
 def verify_ops(table, device: torch.device) -> None:
-    """Raise CompiledUnavailable when `table` fails the self-check (the message lists every case)."""
-    reports = self_check(table, device)
-    failed = [r for r in reports if not r.ok]
-    if failed:
-        detail = "\n  ".join(str(r) for r in reports)
-        raise CompiledUnavailable(f"op table {getattr(table, 'name', '?')} failed the runtime self-check "
-                                  f"on {device}:\n  {detail}")
-    logger.info("compiled kernels passed the self-check on %s:\n  %s", device, "\n  ".join(map(str, reports)))
+    """Self-check `table` in this process; CompiledUnavailable when outside the allowance."""
+    judge(self_check(table, device), f"op table {getattr(table, 'name', '?')}", device)
+
+
+_CHILD_SELF_CHECK = """
+import dataclasses, json, sys, torch
+from fastvideo_pan2_ext.vae_kernel import compiled
+device = torch.device(sys.argv[1])
+torch.cuda.set_device(device)
+table = compiled.make_ops(compiled.build_extension(sys.argv[2]))
+reports = compiled.self_check(table, device)
+torch.cuda.synchronize(device)
+print("SELF_CHECK_JSON " + json.dumps([dataclasses.asdict(r) for r in reports]))
+"""
+
+
+def verify_build_isolated(ext, device: torch.device, timeout_s: float = 600) -> None:
+    """Self-check the built extension on `device` in a child process, so that a kernel that faults (a sticky CUDA
+    error poisons a process's context) cannot take the caller's CUDA context, and with it the portable fallback,
+    down. A passing verdict is remembered beside the cached build for this GPU model, driver and torch, so later
+    processes skip the child."""
+    arch = ext.arch()
+    props = torch.cuda.get_device_properties(device)
+    verdict_key = hashlib.sha256(json.dumps([props.name, list(torch.cuda.get_device_capability(device)),
+                                             torch.version.cuda, torch.__version__,
+                                             _driver_version()]).encode()).hexdigest()[:16]
+    verdict = Path(ext.__file__).parent / f"selfcheck-{verdict_key}.json"
+    if verdict.is_file():
+        try:
+            reports = [AllowanceReport(**r) for r in json.loads(verdict.read_text())]
+            judge(reports, f"compiled kernels ({arch}, remembered verdict)", device)
+            return
+        except (ValueError, TypeError, CompiledUnavailable):
+            pass  # unreadable or failing: check again
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD_SELF_CHECK, str(device), arch], capture_output=True,
+                              text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise CompiledUnavailable(f"the self-check of the compiled kernels on {device} did not finish in "
+                                  f"{timeout_s:.0f} s") from exc
+    lines = [l for l in done.stdout.splitlines() if l.startswith("SELF_CHECK_JSON ")]
+    if done.returncode != 0 or not lines:
+        raise CompiledUnavailable(f"the self-check of the compiled kernels ({arch}) on {device} crashed "
+                                  f"(exit {done.returncode}):\n{done.stderr[-3000:]}")
+    reports = [AllowanceReport(**r) for r in json.loads(lines[-1][len("SELF_CHECK_JSON "):])]
+    judge(reports, f"compiled kernels ({arch})", device)
+    try:  # remember the pass (atomically); a read-only cache only means checking again next time
+        tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in reports]))
+        os.replace(tmp, verdict)
+    except OSError:
+        pass
+
+
+def _driver_version() -> str:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        return done.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
 
 
 def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | None = None) -> ops.Ops:
-    """The compiled op table for `device`: built or loaded from the cache, self-checked once per process.
+    """The compiled op table for `device`: built or loaded from the cache, self-checked once per process (in a child
+    process, see `verify_build_isolated`).
 
     Raises CompiledUnavailable (with the reason) when there is no usable CUDA GPU, the GPU's architecture has no
     kernels, the toolchain or CUTLASS is missing, the build fails, or the self-check fails. A failure is remembered
     for the process and device (the same exception again, without rebuilding).
 
-    `make_ops(device) -> ops.Ops` replaces the build (a test hook: the self-check and the failure memory stay the
-    real ones, e.g. for a deliberately wrong op table on CPU)."""
+    `make_ops(device) -> ops.Ops` replaces the build (a test hook: the table is then self-checked in this process
+    with the same cases and the same judgement, and the failure memory is the same, e.g. for a deliberately wrong op
+    table on CPU)."""
     device = torch.device(device)
     if make_ops is None:
         if device.type != "cuda":
@@ -449,7 +519,8 @@ def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | 
             return cached
         try:
             table = make_ops(device)
-            verify_ops(table, device)
+            if make_ops is not _build_ops:
+                verify_ops(table, device)
         except CompiledUnavailable as exc:
             _loaded[key] = exc
             raise
@@ -463,7 +534,9 @@ def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | 
 
 def _build_ops(device: torch.device) -> ops.Ops:
     with torch.cuda.device(device):
-        return make_ops(build_extension(arch_for_device(device)))
+        ext = build_extension(arch_for_device(device))
+        verify_build_isolated(ext, device)
+        return make_ops(ext)
 
 
 def load_ops_or_none(device: torch.device | str | int = "cuda", *, make_ops: Callable | None = None):

@@ -121,10 +121,16 @@ const char* conv3d_bf16(const Conv3dArgs& a, void* workspace, cudaStream_t strea
 }
 
 const char* compiled_arch() {
-#if defined(WAN22_SM90)
+  // WAN22_ARCH is the target's compute capability x 10 (set by the build; a number, as string macros do not survive
+  // the build tool's quoting).
+#if WAN22_ARCH == 90
   return "sm_90a";
+#elif WAN22_ARCH == 100
+  return "sm_100a";
+#elif WAN22_ARCH == 103
+  return "sm_103a";
 #else
-  return WAN22_ARCH_NAME;
+#error "WAN22_ARCH must be 90, 100 or 103"
 #endif
 }
 
