@@ -72,7 +72,7 @@ def first_frame_size(image_width: int, image_height: int, height: int, width: in
     """(out_width, out_height) of the first frame: Wan2.2's rule, area = the requested height x width."""
     try:
         ow, oh = best_output_size(image_width, image_height, SIZE_MULTIPLE, SIZE_MULTIPLE, height * width)
-    except ZeroDivisionError:  # the rule rounds one side down to 0 px
+    except (ValueError, ZeroDivisionError):  # the rule rounds one side down to 0 px
         ow = oh = 0
     if ow < SIZE_MULTIPLE or oh < SIZE_MULTIPLE:
         raise ImageInputError(f"image aspect ratio {image_width}x{image_height} is too extreme for a {height}x{width} "

@@ -36,12 +36,25 @@ def _config_module_initializing() -> bool:
 
 
 def register() -> None:
-    global _registered, _deferred
+    global _deferred
     if _registered:
         return
     if _config_module_initializing():
         _deferred = True
         return
+    _register()
+
+
+def finish_deferred() -> None:
+    """Called by the config module once its classes exist (it is still importing: hence no check here)."""
+    global _deferred
+    if _deferred and not _registered and "fastvideo" in sys.modules:
+        _deferred = False
+        _register()
+
+
+def _register() -> None:
+    global _registered
     from fastvideo_pan2_ext import cpu_support
 
     cpu_support.install()
@@ -56,21 +69,14 @@ def register() -> None:
     logger.debug("fastvideo_pan2_ext registered with FastVideo")
 
 
-def finish_deferred() -> None:
-    """Called by the config module once its classes exist."""
-    global _deferred
-    if _deferred and "fastvideo" in sys.modules:
-        _deferred = False
-        register()
-
-
 def _register_config() -> None:
     import fastvideo.registry as registry
     from fastvideo.fastvideo_args import WorkloadType
 
     from fastvideo_pan2_ext.checkpoint import looks_like_pan2
-    from fastvideo_pan2_ext.configs import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME, PAN2PipelineConfig
-    from fastvideo_pan2_ext.configs import PAN2SamplingParam
+    # From the module, not the package: registration may run while the package's __init__ is still importing it.
+    from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME, PAN2PipelineConfig,
+                                                 PAN2SamplingParam)
 
     if any(info.pipeline_config_cls is PAN2PipelineConfig for info in registry._CONFIG_REGISTRY.values()):
         return
@@ -92,7 +98,7 @@ def _register_config() -> None:
 def _register_preset() -> None:
     from fastvideo.api import presets
 
-    from fastvideo_pan2_ext.configs import PAN2_PRESET
+    from fastvideo_pan2_ext.configs.pan2 import PAN2_PRESET
 
     key = (PAN2_PRESET.model_family, PAN2_PRESET.name, PAN2_PRESET.version)
     if key not in presets._PRESET_REGISTRY:
@@ -130,7 +136,7 @@ def _pan2_config_selects_pan2_pipeline() -> None:
 
     def __post_init__(self) -> None:
         from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
-        from fastvideo_pan2_ext.configs import PIPELINE_CLASS_NAME, PAN2PipelineConfig
+        from fastvideo_pan2_ext.configs.pan2 import PIPELINE_CLASS_NAME, PAN2PipelineConfig
 
         if isinstance(self.pipeline_config, PAN2PipelineConfig) and self.override_pipeline_cls_name is None:
             check_pan2_checkpoint(self.model_path)

@@ -84,13 +84,13 @@ def _make_tokenizer(out: Path) -> int:
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny PAN2 checkpoint into `out_dir` (created; an existing checkpoint there is overwritten)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR must be a folder; {str(out)!r} is a file")
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"OUT_DIR must be a folder; {str(out)!r} is a file")
     out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
 

@@ -72,10 +72,11 @@ REGISTRATION_FACTS = textwrap.dedent("""
     from fastvideo.api import presets
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
     from fastvideo_pan2_ext import registration, register
-    register(); register()
+    registered_by_import = registration._registered
+    register(); register()  # idempotent
     info = registry._get_config_info(sys.argv[1])
     print(json.dumps({
-        "registered": registration._registered,
+        "registered": registered_by_import,
         "same_class": PAN2PipelineConfig is configs.PAN2PipelineConfig,
         "hook_left": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "FastVideoImportHook"],
         "pan2_configs": sum(i.pipeline_config_cls is PAN2PipelineConfig for i in registry._CONFIG_REGISTRY.values()),
