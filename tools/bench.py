@@ -58,6 +58,8 @@ WORKLOADS = {
                  WanVAEConfig(16, 16, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (6, 10), (2, 3, 5), 16),
         Workload("cpu-tiny",
                  WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (3, 4), (1, 2, 5), 8),
+        Workload("cpu-tiles",  # a taller frame, for the tiled decode's memory-versus-tile table
+                 WanVAEConfig(16, 32, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (32, 48), (2,), 32),
         Workload("gpu-real",
                  WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
     ]
@@ -116,6 +118,7 @@ class _RssPeak:
     """Peak resident memory of this process while the block runs (sampled every 2 ms from /proc)."""
 
     def __enter__(self):
+        _release_free_heap()
         self.peak = self.start = self._rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -135,6 +138,16 @@ class _RssPeak:
     def _rss() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc), so an RSS increase measures this decode, not an earlier one."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def measure(fn, device: torch.device, repeats: int, warmup: int) -> tuple[torch.Tensor, dict]:
@@ -236,7 +249,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
     frames = tuple(sorted(args.frames)) if args.frames else workload.frames
     sd = random_state_dict(workload.config, seed=0)
     sd_on_device = {k: v.to(device) for k, v in sd.items()}
-    vae = None if args.no_diffusers else diffusers_vae(workload, sd)
+    vae = None if args.no_diffusers or args.skip_baselines else diffusers_vae(workload, sd)
     if vae is not None:
         vae = vae.to(device=device, dtype=torch.bfloat16)
         baseline_name = "diffusers AutoencoderKLWan bf16"
@@ -258,32 +271,42 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
         warmup, baseline_warmup = (args.warmup, args.baseline_warmup) if i == 0 else (0, 0)
         z = seeded_latents(workload, t).to(device)
         video_frames = 4 * t - 3
-        log(f"[{workload.name}] T={t} ({video_frames} frames): baseline ...")
-        release, stats = measure(lambda: baseline(z), device, args.baseline_repeats, baseline_warmup)
-        rows.append({"line": "release bf16 (baseline)", "backend": baseline_name, "ranks": 1, "latent_frames": t,
-                     "video_frames": video_frames, **stats})
-        ref32 = None
-        if t in (args.audit_frames or frames):
+        release = ref32 = None
+        if not args.skip_baselines:
+            log(f"[{workload.name}] T={t} ({video_frames} frames): baseline ...")
+            release, stats = measure(lambda: baseline(z), device, args.baseline_repeats, baseline_warmup)
+            rows.append({"line": "release bf16 (baseline)", "backend": baseline_name, "ranks": 1,
+                         "latent_frames": t, "video_frames": video_frames, **stats})
+        if not args.skip_baselines and t in (args.audit_frames or frames):
             log(f"[{workload.name}] T={t}: fp32 reference ...")
             ref32, stats = measure(lambda: reference.decode(z, sd_on_device, torch.float32), device, 1, 0)
             rows.append({"line": "reference fp32", "backend": "reference.decode fp32", "ranks": 1,
                          "latent_frames": t, "video_frames": video_frames, **stats})
         for backend, decoder in decoders.items():
-            for world in args.ranks:
-                log(f"[{workload.name}] T={t}: WanVAEDecoder backend={decoder.backend} ranks={world} ...")
-                if world == 1:
+            for world in [*args.ranks, *(-n for n in args.tile_rows or [])]:  # negative: tiles of -world rows
+                tiles = -world if world < 0 else None
+                what = f"tile_rows={tiles}" if tiles else f"ranks={world}"
+                log(f"[{workload.name}] T={t}: WanVAEDecoder backend={decoder.backend} {what} ...")
+                if tiles:
+                    decoder.enable_tiling(tiles)
+                    video, stats = measure(lambda: decoder.decode(z), device, args.repeats, warmup)
+                    decoder.disable_tiling()
+                elif world == 1:
                     video, stats = measure(lambda: decoder.decode(z), device, args.repeats, warmup)
                 else:
                     spec = {"threads": torch.get_num_threads(), "device": str(device), "backend": backend,
                             "frames_per_pass": args.frames_per_pass, "repeats": args.repeats, "warmup": max(warmup, 1)}
                     video, stats = run_ranks(world, sd, z, spec)
-                row = {"line": f"WanVAEDecoder {decoder.backend}" + (f" x{world} ranks" if world > 1 else ""),
-                       "backend": decoder.backend, "ranks": world, "frames_per_pass": args.frames_per_pass,
+                suffix = f", tiles of {tiles} rows" if tiles else (f" x{world} ranks" if world > 1 else "")
+                row = {"line": f"WanVAEDecoder {decoder.backend}{suffix}", "backend": decoder.backend,
+                       "ranks": 1 if tiles else world, "tile_rows": tiles, "frames_per_pass": args.frames_per_pass,
                        "latent_frames": t, "video_frames": video_frames, **stats}
-                row["speedup_vs_release"] = rows[_index(rows, t)]["median_s"] / stats["median_s"]
+                if release is not None:
+                    row["speedup_vs_release"] = rows[_index(rows, t)]["median_s"] / stats["median_s"]
+                log(f"    {row['median_s']:.3f} s, memory {({k: round(v, 4) for k, v in stats.items() if 'gib' in k})}")
                 if ref32 is not None:
                     row["audit"] = audit(video, ref32, release)
-                    log(f"    {row['median_s']:.3f} s, {row['speedup_vs_release']:.2f}x release; audit {row['audit']}")
+                    log(f"    {row['speedup_vs_release']:.2f}x release; audit {row['audit']}")
                 rows.append(row)
                 del video
         del release, ref32
@@ -347,6 +370,9 @@ def parse_args(argv=None):
     p.add_argument("--audit-frames", type=int, nargs="+", help="T values to audit against fp32 (default: all)")
     p.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "cuda", "torch"])
     p.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts for the fast decoder")
+    p.add_argument("--tile-rows", type=int, nargs="+", help="also time tiled decodes with these latent rows per tile")
+    p.add_argument("--skip-baselines", action="store_true",
+                   help="time only the fast decoder (no release baseline, no fp32 reference, no audit)")
     p.add_argument("--frames-per-pass", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -356,7 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--no-diffusers", action="store_true", help="use reference.decode bf16 as the baseline")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     args = p.parse_args(argv)
-    for name in ("frames", "audit_frames", "ranks"):
+    for name in ("frames", "audit_frames", "ranks", "tile_rows"):
         if any(v < 1 for v in getattr(args, name) or []):
             p.error(f"--{name.replace('_', '-')} values must be >= 1; got {getattr(args, name)}")
     if args.frames_per_pass < 1 or args.repeats < 1 or args.baseline_repeats < 1:

@@ -373,7 +373,9 @@ class WanVAEDecoder:
 
     def decode_iter(self, latents: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         """Decode pass by pass: yields (sample index, first video frame, chunk [1, 3, F, 16h, 16w] bf16 or None on
-        ranks other than 0), in order; frames 0..4T-4 of each sample come out consecutively."""
+        ranks other than 0), in order; frames 0..4T-4 of each sample come out consecutively, so a caller that only
+        writes them out never holds the whole video. Input errors raise here, before the first chunk. Streaming does
+        not tile (a tile runs over the whole clip before the next starts); `tile_rows` applies to `decode`."""
         rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
         self._check_input(latents, rows if isinstance(rows, RankRows) else None)
         return self._iter_checked(latents, rows)
@@ -414,7 +416,6 @@ class WanVAEDecoder:
                 video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
             video[b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)
         return video
-
 
     def _decode_tiled(self, latents: torch.Tensor) -> torch.Tensor:
         """Tile by tile, each over the whole clip, so one tile's state is alive at a time (see the module notes)."""
