@@ -1,8 +1,8 @@
 """Run FastVideo's plugins right after ``import fastvideo`` finishes (never at interpreter start-up).
 
 ``fastvideo_pan2_ext-plugins.pth`` (installed into site-packages by both ``pip install .`` and ``pip install -e .``)
-calls `install()` at start-up. That only puts a small finder on ``sys.meta_path``: it imports nothing else, and it
-looks at one module name, ``fastvideo``. When that import happens, the finder lets the real finders locate
+puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`_build.HOOK_STUB`): it imports
+nothing, and looks at one module name, ``fastvideo``; only then does it import this module and call `spec_for`. When that import happens, the finder lets the real finders locate
 FastVideo, wraps the loader so that once ``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugins.load_plugins`
 is called, and removes itself. Spawned workers are fresh interpreters, so they get the hook (and the plugins) too.
 
@@ -38,28 +38,38 @@ class _RunPluginsAfterExec:
         return getattr(self._loader, name)
 
 
+def spec_for(fullname: str):
+    """The real spec of ``fastvideo``, its loader wrapped to load the plugins after it; removes the hook."""
+    uninstall()
+    from importlib.util import find_spec
+
+    spec = find_spec(fullname)  # the real finders, now that the hook is out of the way
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return spec
+    spec.loader = _RunPluginsAfterExec(spec.loader)
+    return spec
+
+
 class FastVideoImportHook:
     """A ``sys.meta_path`` finder that answers only for ``fastvideo`` and only once."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != TARGET:
             return None
-        uninstall()
-        from importlib.util import find_spec
+        return spec_for(fullname)
 
-        spec = find_spec(fullname)  # the real finders, now that we are out of the way
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _RunPluginsAfterExec(spec.loader)
-        return spec
+
+def _is_hook(finder) -> bool:
+    # By name: the .pth file's stub and this class are different class objects.
+    return type(finder).__name__ == FastVideoImportHook.__name__
 
 
 def install() -> None:
     """Put the hook in front of ``sys.meta_path`` (no-op if FastVideo is already imported or the hook is there)."""
-    if TARGET in sys.modules or any(isinstance(f, FastVideoImportHook) for f in sys.meta_path):
+    if TARGET in sys.modules or any(_is_hook(f) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, FastVideoImportHook())
 
 
 def uninstall() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, FastVideoImportHook)]
+    sys.meta_path[:] = [f for f in sys.meta_path if not _is_hook(f)]

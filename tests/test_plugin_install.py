@@ -50,7 +50,7 @@ STARTUP_FACTS = textwrap.dedent("""
 def test_wheel_installs_the_hook_and_fastvideo_then_loads_the_plugin(tmp_path):
     wheel = _build("wheel", tmp_path / "dist")
     top_level = _unpack(wheel, tmp_path / "site")
-    assert PTH in top_level and "fastvideo_pan2_ext.fastvideo_import_hook" in top_level[PTH]
+    assert PTH in top_level and "fastvideo_pan2_ext.fastvideo_import_hook import spec_for" in top_level[PTH]
     proc = run([sys.executable, "-S", "-c", STARTUP_FACTS, str(tmp_path / "site")], cwd=tmp_path)
     facts = last_json_line(proc.stdout)
     assert facts == {"hook_installed": 1, "package": str(tmp_path / "site" / "fastvideo_pan2_ext" / "__init__.py"),

@@ -1,8 +1,9 @@
 """Measure what the plugin hook's .pth costs at interpreter start-up (python -c pass, python -c "import torch").
 
-A/B on the same interpreter: `python -S` + `site.addsitedir(D)`, where D is this venv's site-packages (A, with
-fastvideo_pan2_ext-plugins.pth) or a mirror of it made of symlinks to every entry except that one file (B). Runs are
-interleaved; medians are reported. Also prints `-X importtime` for the hook's own modules.
+A/B on the same interpreter: `python -S` + `site.addsitedir(D)`, where D mirrors this venv's site-packages with
+symlinks to every entry (A) or to every entry but fastvideo_pan2_ext-plugins.pth (B): the only difference between
+the two runs is that file. Runs are interleaved; medians are reported. Also prints what the hook leaves in
+sys.modules and `-X importtime` lines mentioning the package.
 
     .venv/bin/python tools/startup_cost.py [--runs 15]
 """
@@ -35,20 +36,24 @@ def main() -> None:
     real = sysconfig.get_paths()["purelib"]
     if not os.path.exists(os.path.join(real, PTH)):
         sys.exit(f"{PTH} is not installed in {real}")
-    with tempfile.TemporaryDirectory() as mirror:
+    with tempfile.TemporaryDirectory() as with_dir, tempfile.TemporaryDirectory() as without_dir:
         for name in os.listdir(real):
+            os.symlink(os.path.join(real, name), os.path.join(with_dir, name))
             if name != PTH:
-                os.symlink(os.path.join(real, name), os.path.join(mirror, name))
+                os.symlink(os.path.join(real, name), os.path.join(without_dir, name))
         for label, payload in (("python -c pass", "pass"), ("python -c 'import torch'", "import torch")):
             with_hook, without = [], []
             for _ in range(args.runs):
-                with_hook.append(_time(real, payload))
-                without.append(_time(mirror, payload))
+                with_hook.append(_time(with_dir, payload))
+                without.append(_time(without_dir, payload))
             a, b = statistics.median(with_hook), statistics.median(without)
             print(f"{label:28s} with hook {a * 1000:8.1f} ms   without {b * 1000:8.1f} ms   "
                   f"difference {(a - b) * 1000:+7.1f} ms (median of {args.runs}, interleaved)")
+    code = "import sys; print(sorted(m for m in sys.modules if 'pan2' in m), [type(f).__name__ for f in sys.meta_path])"
+    print("after start-up (pan2 modules, sys.meta_path):", subprocess.run([sys.executable, "-c", code],
+                                                                          capture_output=True, text=True).stdout.strip())
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True).stderr
-    print("-X importtime, the hook's own modules (self us | cumulative us | module):")
+    print("-X importtime lines mentioning the package (self us | cumulative us | module):")
     for line in out.splitlines():
         if "fastvideo_pan2_ext" in line:
             print("  " + line.split(":", 1)[1].strip())
