@@ -102,3 +102,10 @@ def test_import_fastvideo_registers_pan2_even_when_the_config_is_imported_first(
                    "num_inference_steps": 50},
         "cli_patched": True,
     }
+
+
+def test_importing_the_package_stays_light():
+    proc = run_python("import sys, json, fastvideo_pan2_ext; "
+                      "print(json.dumps([m for m in ('torch', 'fastvideo', 'numpy', 'PIL') if m in sys.modules]))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
