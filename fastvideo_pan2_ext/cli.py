@@ -43,10 +43,17 @@ def _pan2_run_config(args, overrides: list[str] | None):
     pipeline = generator.setdefault("pipeline", {})
     pipeline.setdefault("workload_type", "i2v")
     pipeline.setdefault("components", {})["override_pipeline_cls_name"] = PIPELINE_CLASS_NAME
+    # PAN2's config object replaces FastVideo's choice; a pipeline-config JSON the user gave is loaded onto it, and
+    # PAN2's own fields given as dotted overrides go through its constructor (which validates them).
     experimental = pipeline.setdefault("experimental", {})
-    config_fields = {k: experimental.pop(k) for k in list(experimental) if k in PAN2PipelineConfig.__dataclass_fields__}
-    config_fields.pop("pipeline_config", None)
-    experimental["pipeline_config"] = PAN2PipelineConfig(**config_fields)
+    json_path = experimental.pop("pipeline_config", None) or pipeline["components"].pop("pipeline_config_path", None)
+    if json_path is not None and not isinstance(json_path, str):
+        raise ValueError(f"--pipeline pan2: pipeline_config must be a JSON file path; got {json_path!r}")
+    own_fields = ("vae_decode_kernel", "vae_frames_per_pass")
+    pan2_config = PAN2PipelineConfig(**{k: experimental.pop(k) for k in own_fields if k in experimental})
+    if json_path:
+        pan2_config.load_from_json(json_path)
+    experimental["pipeline_config"] = pan2_config
 
     request = raw["request"]
     sampling = request.setdefault("sampling", {})

@@ -202,13 +202,14 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
     image = exif_rotated_jpeg(tmp_path / "a.jpg")
     run = _validated("--pipeline", "pan2", *_request(tiny_ckpt, image), "--request.sampling.height", "64",
                      "--request.sampling.seed", "7", "--generator.pipeline.experimental.vae_decode_kernel", "true",
-                     "--generator.pipeline.experimental.vae_frames_per_pass", "2")
+                     "--generator.pipeline.experimental.vae_frames_per_pass", "2",
+                     "--generator.pipeline.experimental.flow_shift", "3.0")
     sampling = run.request.sampling
     assert (sampling.height, sampling.width, sampling.num_frames, sampling.fps, sampling.seed) == (64, 1248, 121, 24, 7)
     fastvideo_args = generator_config_to_fastvideo_args(run.generator)
     config = fastvideo_args.pipeline_config
     assert type(config) is PAN2PipelineConfig
-    assert (config.vae_decode_kernel, config.vae_frames_per_pass) == (True, 2)
+    assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.flow_shift) == (True, 2, 3.0)
     assert fastvideo_args.override_pipeline_cls_name == "PAN2Pipeline"
 
 
@@ -218,8 +219,13 @@ def test_pipeline_pan2_with_a_config_file(pan2, tiny_ckpt, tmp_path):
     config.write_text(json.dumps({"generator": {"model_path": str(tiny_ckpt)},
                                   "request": {"prompt": "x", "inputs": {"image_path": str(image)},
                                               "sampling": {"num_frames": 9}}}))
-    run = _validated("--pipeline", "pan2", "--config", str(config), "--request.sampling.width", "96")
+    pipeline_json = tmp_path / "pipeline.json"
+    pipeline_json.write_text(json.dumps({"flow_shift": 7.0, "vae_decode_kernel": True}))
+    run = _validated("--pipeline", "pan2", "--config", str(config), "--request.sampling.width", "96",
+                     "--generator.pipeline.components.pipeline_config_path", str(pipeline_json))
     assert (run.request.sampling.num_frames, run.request.sampling.width, run.request.sampling.height) == (9, 96, 704)
+    pan2_config = run.generator.pipeline.experimental["pipeline_config"]
+    assert (pan2_config.flow_shift, pan2_config.vae_decode_kernel) == (7.0, True)
 
 
 def test_without_pipeline_flag_generate_is_unchanged(monkeypatch, capsys):
@@ -259,6 +265,8 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
         "Wan2.1 VAE": (["--generator.model_path", str(old_vae), *good[2:]], r"vae/config.json is not a Wan2.2 VAE"),
         "not a folder": (["--generator.model_path", str(image), *good[2:]], r"is not a folder"),
         "no model path": (good[2:], r"--pipeline pan2 needs a checkpoint: --generator.model_path PATH"),
+        "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_frames_per_pass", "0"],
+                           r"vae_frames_per_pass must be an int >= 1; got 0"),
         "no image": (good[:4], r"--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE"),
     }
 
