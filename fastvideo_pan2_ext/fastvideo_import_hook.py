@@ -1,12 +1,13 @@
 """Run FastVideo's plugins right after ``import fastvideo`` finishes (never at interpreter start-up).
 
 ``fastvideo_pan2_ext-plugins.pth`` (installed into site-packages by both ``pip install .`` and ``pip install -e .``)
-puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`_build.HOOK_STUB`): it imports
-nothing, and looks at one module name, ``fastvideo``; only then does it import this module and call `spec_for`. When that import happens, the finder lets the real finders locate
-FastVideo, wraps the loader so that once ``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugins.load_plugins`
-is called, and removes itself. Spawned workers are fresh interpreters, so they get the hook (and the plugins) too.
+puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`_build.HOOK_STUB`). It imports
+nothing and answers for one module name, ``fastvideo``: when that import happens it imports this module and calls
+`spec_for`, which removes the hook, lets the real finders locate FastVideo, and wraps the loader so that once
+``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugins.load_plugins` is called. Spawned workers are fresh
+interpreters, so they get the hook (and the plugins) too.
 
-Only the standard library is imported here, and only ``sys`` at start-up.
+Only the standard library is used here.
 """
 
 import sys
