@@ -18,7 +18,7 @@ from tools import bench  # noqa: E402
 
 def test_bench_cpu_run_writes_audited_json_and_plot(tmp_path):
     out = tmp_path / "cpu-test.json"
-    bench.main(["--workload", "cpu-tiny", "--frames", "2", "--repeats", "2", "--out", str(out)])
+    bench.main(["--workload", "cpu-tiny", "--frames", "1", "--repeats", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     (workload,) = report["workloads"]
     assert workload["baseline"] == "diffusers AutoencoderKLWan bf16"

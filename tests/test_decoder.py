@@ -28,7 +28,6 @@ def _decode(state_dict, z, frames_per_pass):
         ((1, 8, 2, 5, 3), 1),  # the first later frame (the temporal upsamplers' zero history)
         ((1, 8, 5, 3, 4), 2),
         ((1, 8, 5, 3, 4), 4),  # a pass shorter than frames_per_pass at the end
-        ((1, 8, 9, 2, 3), 8),
         ((1, 8, 2, 1, 1), 1),  # a single latent pixel
     ],
 )

@@ -10,7 +10,7 @@ import fastvideo_pan2_ext.vae_kernel.decoder as decoder_module
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 
-SHAPE = (2, 8, 3, 23, 3)  # batch 2, an odd frame height, several passes
+SHAPE = (2, 8, 3, 13, 3)  # batch 2, an odd frame height, several passes
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def plain(wan22_state_dict):
     return z, WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch").decode(z)
 
 
-@pytest.mark.parametrize("tile_rows", [2, 7, 22, 40])
+@pytest.mark.parametrize("tile_rows", [2, 5, 12, 40])
 def test_tiled_decode_is_the_plain_decode(wan22_state_dict, plain, tile_rows):
     z, expected = plain
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
+_NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype:
@@ -83,6 +84,10 @@ def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu:
     x, out [..., C] bf16 of one shape (out may be a strided view, see the module rules); gamma [C] fp32, already
     scaled by sqrt(C). silu=False gives the plain RMS norm (the mid-block attention's).
     """
+    if x.numel() > _NORM_CHUNK and x.dim() > 2 and x.shape[1] > 1:  # bound the fp32 temporaries (frame by frame)
+        for x_part, out_part in zip(x.split(1, dim=1), out.split(1, dim=1)):
+            rms_norm_silu(x_part, gamma, out_part, silu)
+        return
     xf = x.float()
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min_(RMS_EPS)
     y = xf.div_(norm).mul_(gamma)
