@@ -334,18 +334,34 @@ def plot(report: dict, path: Path) -> None:
             lines.setdefault(r["line"], []).append(r)
         # On CPU the process's own footprint (torch, diffusers) dwarfs a small decode: plot what the decode adds.
         mem_key = "peak_allocated_gib" if report["device"].startswith("cuda") else "rss_increase_gib"
-        for line, rs in lines.items():
-            xs = [r["video_frames"] for r in rs]
-            ax_t.plot(xs, [r["median_s"] for r in rs], marker="o", label=line)
-            ax_m.plot(xs, [r.get(mem_key, float("nan")) for r in rs], marker="o", label=line)
         video = "x".join(map(str, w["video_hw"]))
-        ax_t.set(title=f"{w['workload']} ({video}): decode time", xlabel="video frames", ylabel="seconds (median)")
-        ax_m.set(title=f"{w['workload']}: peak memory", xlabel="video frames",
-                 ylabel="GiB " + ("peak allocated" if mem_key.startswith("peak_alloc") else "RSS increase (rank 0)"))
+        single_length = len({r["video_frames"] for r in w["results"]}) == 1
+        if single_length:  # one clip length (e.g. the tile table): one bar per line, labelled with its value
+            names = list(lines)
+            for ax, key in ((ax_t, "median_s"), (ax_m, mem_key)):
+                values = [lines[n][0].get(key, float("nan")) for n in names]
+                bars = ax.barh(names, values, color=[f"C{i}" for i in range(len(names))])
+                ax.bar_label(bars, fmt="%.3g", fontsize=8)
+                ax.invert_yaxis()
+                ax.tick_params(axis="y", labelsize=8)
+            frames = w["results"][0]["video_frames"]
+            ax_t.set(title=f"{w['workload']} ({video}, {frames} frames): decode time", xlabel="seconds (median)")
+            ax_m.set(title=f"{w['workload']}: peak memory",
+                     xlabel="GiB " + ("peak allocated" if mem_key.startswith("peak_alloc") else "RSS increase"))
+        else:
+            for line, rs in lines.items():
+                xs = [r["video_frames"] for r in rs]
+                ax_t.plot(xs, [r["median_s"] for r in rs], marker="o", label=line)
+                ax_m.plot(xs, [r.get(mem_key, float("nan")) for r in rs], marker="o", label=line)
+            ax_t.set(title=f"{w['workload']} ({video}): decode time", xlabel="video frames",
+                     ylabel="seconds (median)")
+            ax_m.set(title=f"{w['workload']}: peak memory", xlabel="video frames",
+                     ylabel="GiB " + ("peak allocated" if mem_key.startswith("peak_alloc") else "RSS increase (rank 0)"))
+            for ax in (ax_t, ax_m):
+                ax.legend(fontsize=8)
+            ax_t.set_yscale("log")
         for ax in (ax_t, ax_m):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        ax_t.set_yscale("log")
     fig.suptitle(f"Wan2.2 VAE decode on {report['device_name']} ({report['date']}, {report['threads']} threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
