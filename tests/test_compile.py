@@ -47,9 +47,15 @@ def test_extension_compiles_links_and_imports_without_a_gpu(arch, cache_root, mo
     ext = compiled.build_extension(arch, root=cache_root)
     cold = time.monotonic() - start
     print(f"\n{arch}: cold build {cold:.0f} s")
-    assert ext.arch() == arch
+    assert ext.arch() == arch  # for sm_100a: after the sm_90a module was imported into this process
     entry = build.published_entry(compiled.extension_spec(arch), cache_root)
-    assert ext.__file__ == str(entry / f"{compiled.EXTENSION_NAME}.so")
+    assert ext.__file__ == str(entry / f"{compiled.extension_name(arch)}.so")
+    # Of this module's own code only the init function is exported, and no process-wide unique symbol: hidden
+    # visibility keeps two builds loaded into one process apart.
+    exported = subprocess.run(["nm", "-D", "--defined-only", ext.__file__], capture_output=True, text=True).stdout
+    symbols = [line.split() for line in exported.splitlines() if len(line.split()) == 3]
+    assert [name for _, kind, name in symbols if "wan22" in name] == [f"PyInit_{compiled.extension_name(arch)}"]
+    assert not [name for _, kind, name in symbols if kind == "u" and not name.startswith("_ZZNSt")]  # std: same data
     manifest = json.loads((entry / build.MANIFEST).read_text())
     assert manifest["inputs"]["cuda_archs"] == [arch]
     assert manifest["inputs"]["key_extras"]["cutlass"] == compiled.cutlass_version(compiled.cutlass_source_dir())

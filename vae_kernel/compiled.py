@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu")
 HEADERS = ("decode_kernels.h",)
-EXTENSION_NAME = "wan22_vae_decode_ext"
+EXTENSION_PREFIX = "wan22_vae_decode_"  # + arch: builds for two GPU kinds can live in one process
 CUTLASS_DIR_ENV = "WAN22_CUTLASS_DIR"  # a CUTLASS source tree (include/, tools/util/include/) instead of the wheel's
 
 # Compute capability -> the one architecture we build for it (arch-specific "a" targets: TMA/WGMMA, UMMA).
@@ -82,14 +82,21 @@ def cutlass_version(root: Path) -> str:
     return ".".join(parts)
 
 
+def extension_name(arch: str) -> str:
+    return EXTENSION_PREFIX + arch
+
+
 def extension_spec(arch: str) -> build.ExtensionSpec:
     """The decoder extension for one architecture (torch applies one arch list to every file: build one arch)."""
     if arch not in CUTLASS_FAMILY:
         raise ValueError(f"arch must be one of {sorted(CUTLASS_FAMILY)}; got {arch!r}")
     cutlass = cutlass_source_dir()
     includes = (str(cutlass / "include"), str(cutlass / "tools" / "util" / "include"), str(CSRC))
+    # Hidden visibility: the template instantiations of two builds loaded into one process (one per GPU kind) would
+    # otherwise bind to each other's copies (GCC's process-wide unique symbols; measured: the sm_100a module ran the
+    # sm_90a module's code).
     cuda_flags = (
-        "-O3",
+        "-O3", "-Xcompiler=-fvisibility=hidden",
         "-DNDEBUG",  # without it ptxas serializes wgmma (warning C7510)
         f"-D{CUTLASS_FAMILY[arch]}", f"-DWAN22_ARCH={arch[3:].rstrip('a')}",
         "--expt-relaxed-constexpr", "--expt-extended-lambda",
@@ -98,10 +105,10 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
     )
     return build.ExtensionSpec(
-        name=EXTENSION_NAME,
+        name=extension_name(arch),
         sources=tuple(str(CSRC / s) for s in SOURCES),
         depends=tuple(str(CSRC / h) for h in HEADERS),
-        extra_cflags=("-O3",),
+        extra_cflags=("-O3", "-fvisibility=hidden"),
         extra_cuda_cflags=cuda_flags,
         extra_include_paths=includes,
         cuda_archs=(arch,),
