@@ -60,6 +60,8 @@ WORKLOADS = {
                  WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (3, 4), (1, 2, 5), 8),
         Workload("cpu-tiles",  # a taller frame, for the tiled decode's memory-versus-tile table
                  WanVAEConfig(16, 32, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (32, 48), (2,), 32),
+        Workload("cpu-stream",  # a long clip of real-size frames, narrow widths: decode versus decode_iter memory
+                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (5, 9), 8),
         Workload("gpu-real",
                  WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
     ]
@@ -309,6 +311,18 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
                     log(f"    {row['speedup_vs_release']:.2f}x release; audit {row['audit']}")
                 rows.append(row)
                 del video
+            if args.stream:
+                log(f"[{workload.name}] T={t}: WanVAEDecoder backend={decoder.backend} decode_iter ...")
+
+                def stream():
+                    for _ in decoder.decode_iter(z):  # what a writer that saves chunk by chunk holds: one chunk
+                        pass
+
+                _, stats = measure(stream, device, args.repeats, warmup)
+                rows.append({"line": f"WanVAEDecoder {decoder.backend}, decode_iter (chunks not kept)",
+                             "backend": decoder.backend, "ranks": 1, "frames_per_pass": args.frames_per_pass,
+                             "latent_frames": t, "video_frames": video_frames, **stats})
+                log(f"    {stats['median_s']:.3f} s, memory {({k: round(v, 4) for k, v in stats.items() if 'gib' in k})}")
         del release, ref32
     return {"workload": workload.name, "config": dataclasses.asdict(workload.config),
             "latent_hw": list(workload.latent_hw), "video_hw": [16 * s for s in workload.latent_hw],
@@ -387,6 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "cuda", "torch"])
     p.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts for the fast decoder")
     p.add_argument("--tile-rows", type=int, nargs="+", help="also time tiled decodes with these latent rows per tile")
+    p.add_argument("--stream", action="store_true", help="also measure decode_iter with chunks dropped as they come")
     p.add_argument("--skip-baselines", action="store_true",
                    help="time only the fast decoder (no release baseline, no fp32 reference, no audit)")
     p.add_argument("--frames-per-pass", type=int, default=4)
