@@ -47,7 +47,34 @@ STARTUP_FACTS = textwrap.dedent("""
 """)
 
 
-def test_wheel_installs_the_hook_and_fastvideo_then_loads_the_plugin(tmp_path):
+REGISTRATION_FACTS = textwrap.dedent("""
+    # The config first: its own `import fastvideo` runs the plugin while the config module is half-imported.
+    from fastvideo_pan2_ext import PAN2PipelineConfig
+    import fastvideo, fastvideo_pan2_ext.configs as configs
+    import fastvideo.registry as registry
+    from fastvideo.api import presets
+    from fastvideo.entrypoints.cli.generate import GenerateSubcommand
+    from fastvideo_pan2_ext import registration, register
+    registered_by_import = registration._registered
+    register(); register()  # idempotent
+    info = registry._get_config_info(CHECKPOINT)
+    print(json.dumps({
+        "registered": registered_by_import,
+        "from": registration.__file__,
+        "same_class": PAN2PipelineConfig is configs.PAN2PipelineConfig,
+        "hook_left": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "FastVideoImportHook"],
+        "pan2_configs": sum(i.pipeline_config_cls is PAN2PipelineConfig for i in registry._CONFIG_REGISTRY.values()),
+        "first_detector": registry._MODEL_NAME_DETECTORS[0][1].__qualname__,
+        "config_for_checkpoint": registry.get_pipeline_config_cls_from_name(CHECKPOINT).__name__,
+        "pipeline_for_checkpoint": info.pipeline_cls_name,
+        "sampling_for_checkpoint": info.sampling_param_cls.__name__,
+        "preset": presets.get_preset("pan2", "pan2").defaults,
+        "cli_patched": GenerateSubcommand.__dict__.get("_pan2_cli", False),
+    }))
+""")
+
+
+def test_wheel_installs_the_hook_and_fastvideo_then_registers_the_plugin(tmp_path, tiny_ckpt):
     wheel = _build("wheel", tmp_path / "dist")
     top_level = _unpack(wheel, tmp_path / "site")
     assert PTH in top_level and "fastvideo_pan2_ext.fastvideo_import_hook import spec_for" in top_level[PTH]
@@ -57,18 +84,21 @@ def test_wheel_installs_the_hook_and_fastvideo_then_loads_the_plugin(tmp_path):
                      "entry_points": ["pan2=fastvideo_pan2_ext:register"], "heavy": []}
 
     # With FastVideo importable (the venv's packages appended, their .pth files not run), importing it runs the
-    # plugin installed from the wheel.
+    # plugin installed from the wheel, which registers PAN2 everywhere FastVideo looks.
     venv_site = sysconfig.get_paths()["purelib"]
-    code = STARTUP_FACTS.split("import fastvideo_pan2_ext")[0] + textwrap.dedent(f"""
-        sys.path.append({venv_site!r})
-        import fastvideo
-        from fastvideo_pan2_ext import registration
-        print(json.dumps({{"registered": registration._registered, "from": registration.__file__}}))
-    """)
+    code = (STARTUP_FACTS.split("import fastvideo_pan2_ext")[0] + f"sys.path.append({venv_site!r})\n"
+            + REGISTRATION_FACTS.replace("CHECKPOINT", repr(str(tiny_ckpt))))
     proc = run([sys.executable, "-S", "-c", code, str(tmp_path / "site")], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert last_json_line(proc.stdout) == {"registered": True,
-                                           "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "registration.py")}
+    assert last_json_line(proc.stdout) == {
+        "registered": True, "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "registration.py"),
+        "same_class": True, "hook_left": [], "pan2_configs": 1,
+        "first_detector": "looks_like_pan2", "config_for_checkpoint": "PAN2PipelineConfig",
+        "pipeline_for_checkpoint": "PAN2Pipeline", "sampling_for_checkpoint": "PAN2SamplingParam",
+        "preset": {"height": 704, "width": 1248, "num_frames": 121, "fps": 24, "guidance_scale": 5.0,
+                   "num_inference_steps": 50},
+        "cli_patched": True,
+    }
 
 
 def test_editable_install_installs_the_hook_after_the_editable_finder(tmp_path):

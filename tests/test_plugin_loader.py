@@ -1,10 +1,9 @@
 """The plugin loader: a start-up hook that imports nothing heavy, and an entry-point loader that is filtered by
 FASTVIDEO_PLUGINS, isolates failures and runs once. Real interpreters, real entry points (a throw-away distribution
-on PYTHONPATH for the filter and failure cases), real FastVideo for registration."""
+on PYTHONPATH for the filter and failure cases). Registration with real FastVideo: test_plugin_install.py."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 from _pan2_helpers import last_json_line, run_python
@@ -61,47 +60,6 @@ def test_fastvideo_plugins_env_filters_by_name(tmp_path):
     assert last_json_line(only_broken.stdout) == {"first": {}, "second": {}, "calls": []}
     assert last_json_line(none.stdout) == {"first": {}, "second": {}, "calls": []}
     assert "failed to load" in only_broken.stderr and "failed to load" not in none.stderr
-
-
-REGISTRATION_FACTS = textwrap.dedent("""
-    import json, sys
-    # The config first: its own `import fastvideo` runs the plugin while the config module is half-imported.
-    from fastvideo_pan2_ext import PAN2PipelineConfig
-    import fastvideo, fastvideo_pan2_ext.configs as configs
-    import fastvideo.registry as registry
-    from fastvideo.api import presets
-    from fastvideo.entrypoints.cli.generate import GenerateSubcommand
-    from fastvideo_pan2_ext import registration, register
-    registered_by_import = registration._registered
-    register(); register()  # idempotent
-    info = registry._get_config_info(sys.argv[1])
-    print(json.dumps({
-        "registered": registered_by_import,
-        "same_class": PAN2PipelineConfig is configs.PAN2PipelineConfig,
-        "hook_left": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "FastVideoImportHook"],
-        "pan2_configs": sum(i.pipeline_config_cls is PAN2PipelineConfig for i in registry._CONFIG_REGISTRY.values()),
-        "first_detector": registry._MODEL_NAME_DETECTORS[0][1].__qualname__,
-        "config_for_checkpoint": registry.get_pipeline_config_cls_from_name(sys.argv[1]).__name__,
-        "pipeline_for_checkpoint": info.pipeline_cls_name,
-        "sampling_for_checkpoint": info.sampling_param_cls.__name__,
-        "preset": presets.get_preset("pan2", "pan2").defaults,
-        "cli_patched": GenerateSubcommand.__dict__.get("_pan2_cli", False),
-    }))
-""")
-
-
-def test_import_fastvideo_registers_pan2_even_when_the_config_is_imported_first(tiny_ckpt):
-    proc = run_python(REGISTRATION_FACTS.replace("sys.argv[1]", json.dumps(str(tiny_ckpt))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    facts = last_json_line(proc.stdout)
-    assert facts == {
-        "registered": True, "same_class": True, "hook_left": [], "pan2_configs": 1,
-        "first_detector": "looks_like_pan2", "config_for_checkpoint": "PAN2PipelineConfig",
-        "pipeline_for_checkpoint": "PAN2Pipeline", "sampling_for_checkpoint": "PAN2SamplingParam",
-        "preset": {"height": 704, "width": 1248, "num_frames": 121, "fps": 24, "guidance_scale": 5.0,
-                   "num_inference_steps": 50},
-        "cli_patched": True,
-    }
 
 
 def test_importing_the_package_stays_light():
