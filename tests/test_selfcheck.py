@@ -124,7 +124,7 @@ def test_allowance_rule_is_three_times_the_bf16_baseline_in_max_and_rms():
 
 @pytest.mark.parametrize("kernels", [TorchKernels(conv_error=0.05), TorchKernels(norm_error=0.02)],
                          ids=["conv-off-by-5%-noise", "norm-off-by-2%"])
-def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_process(kernels):
+def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_process(kernels, caplog):
     calls = []
 
     def make_ops(device):
@@ -136,6 +136,7 @@ def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_proce
     with pytest.warns(RuntimeWarning, match="failed the runtime self-check"):
         assert compiled.load_ops_or_none(CPU, make_ops=make_ops) is None
     assert len(calls) == 1, "a failed build must stay disabled for the process, not be retried"
+    assert any("disabled for this process" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
 
 
 def test_cuda_backend_raises_when_the_self_check_fails():

@@ -530,10 +530,12 @@ def load_ops(device: torch.device | str | int = "cuda", *, make_ops: Callable | 
                 verify_ops(table, device)
         except CompiledUnavailable as exc:
             _loaded[key] = exc
+            logger.warning("compiled VAE decoder disabled for this process on %s: %s", device, exc)
             raise
         except Exception as exc:  # a build error, or a CUDA error inside the kernels
             wrapped = CompiledUnavailable(f"compiled backend unavailable on {device}: {type(exc).__name__}: {exc}")
             _loaded[key] = wrapped
+            logger.warning("compiled VAE decoder disabled for this process on %s: %s", device, wrapped)
             raise wrapped from exc
         _loaded[key] = table
         return table
