@@ -1,207 +1,182 @@
-"""Demo: decode a latent clip with the reference Wan2.2 VAE decoder and write an mp4 plus a PNG contact sheet.
+"""The PAN2 demo: one image -> one video through the PAN2 pipeline in a stock FastVideo 0.2.1.
 
-    python -m fastvideo_pan2_ext.demo [--out out/demo] [--frames 17] [--height 256] [--width 256] [--seed 0]
-                                      [--dtype float32|bfloat16] [--fps 12]
+By default it runs on any machine (no GPU, no network): the tiny random-weight PAN2 checkpoint is made on first use
+in a cache folder, and the first frame is the sample image shipped in `fastvideo_pan2_ext/assets/` (stored landscape,
+with an EXIF tag saying "rotate 90 degrees": PAN2 reads the stored pixels, as Wan2.2 does). Its video is noise-like by
+design: the weights are random. Point ``--checkpoint`` at a real PAN2 checkpoint for a real video.
 
-No checkpoint is needed: the weights are a seeded random Wan2.2-layout decoder (48 latent channels, 16x spatial and
-4x temporal upsampling, patch size 2) at a narrow width, and the latents are smooth moving waves. Plain random conv
-kernels turn any input into noise, so the kernels are drawn the way trained decoders tend to look: a random channel
-mix times a small blur over space (and a present-heavy causal filter over time), plus a little noise; the output conv
-shares its weights across the 2x2 sub-pixels. The video is smooth, moves, and holds together from frame to frame; the
-first two frames differ most, as the causal decoder has no history yet. About 20 s on 2 CPU cores at the defaults.
+It prints where the video and a contact sheet of its frames are, and how long each stage took.
 
-Only torch, numpy, Pillow and imageio-ffmpeg are used (no diffusers, no FastVideo).
+    python -m fastvideo_pan2_ext.demo [--checkpoint DIR] [--image IMG] [--out out/] [--decoder kernel|fastvideo] ...
+
+(`python -m fastvideo_pan2_ext.reference_demo` is the other demo: the reference VAE decoder alone, no FastVideo.)
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from fastvideo_pan2_ext import reference
-
-Z_DIM = 48  # Wan2.2 / PAN2 latent channels
-DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU
-SPATIAL, TEMPORAL = 16, 4  # the VAE's compression
+ASSETS = Path(__file__).resolve().parent / "assets"
+SAMPLE_IMAGE = ASSETS / "sample_exif_rotated.jpg"
 
 
-def demo_config() -> reference.WanVAEConfig:
-    return reference.WanVAEConfig(z_dim=Z_DIM, decoder_base_dim=DECODER_BASE_DIM, dim_mult=(1, 2, 4, 4),
-                                  num_res_blocks=2, temperal_upsample=(True, True, False), out_channels=12,
-                                  patch_size=2)
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fastvideo_pan2_ext"
 
 
-def demo_state_dict(seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random weights for every tensor `reference.decode` reads, with smooth kernels (module docstring)."""
-    g = torch.Generator().manual_seed(seed)
-    blur = torch.tensor([0.25, 0.5, 0.25])  # over space
-    causal = torch.tensor([0.0, 0.25, 0.75])  # over time (frames t-2, t-1, t): mostly the present, so things move
+def ensure_tiny_checkpoint(cache_dir: Path, seed: int = 0) -> tuple[Path, bool]:
+    """The tiny checkpoint in `cache_dir` (made once; a finished folder appears atomically). -> (path, made_now)."""
+    from fastvideo_pan2_ext import __version__
+    from fastvideo_pan2_ext.tiny import make_tiny_checkpoint
 
-    def randn(*shape):
-        return torch.randn(shape, generator=g)
+    target = cache_dir / f"pan2-tiny-{__version__}-seed{seed}"
+    if (target / "model_index.json").exists():
+        return target, False
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = cache_dir / f".{target.name}.partial-{os.getpid()}"
+    make_tiny_checkpoint(partial, seed=seed)
+    try:
+        partial.rename(target)
+    except OSError:  # another process published it first
+        import shutil
 
-    def smooth_kernel(shape):
-        cout, cin, *kernel = shape
-        profile = torch.ones(())
-        for axis, size in enumerate(kernel):
-            taps = (causal if axis == 0 and len(kernel) == 3 else blur) if size == 3 else torch.ones(1)
-            profile = profile[..., None] * taps
-        mix = randn(cout, cin) / math.sqrt(cin)
-        return 3.0 * mix.view(cout, cin, *[1] * len(kernel)) * profile + 0.2 * randn(*shape) / math.sqrt(
-            math.prod(shape[1:]))
-
-    weights = {}
-    for name, shape in reference.expected_shapes(demo_config()).items():
-        if name.endswith(".gamma"):
-            weights[name] = 1.0 + 0.1 * randn(*shape)
-        elif name.endswith(".bias"):
-            weights[name] = 0.05 * randn(*shape)
-        elif name.endswith("time_conv.weight"):  # its two output frames start out alike: no flicker
-            half = smooth_kernel((shape[0] // 2, *shape[1:]))
-            weights[name] = torch.cat([half, half + 0.05 * randn(*half.shape)])
-        elif name == "decoder.conv_out.weight":  # one RGB mix for all 2x2 sub-pixels, zero-mean over features
-            rgb = 0.5 * smooth_kernel((3, *shape[1:]))
-            rgb = rgb - rgb.mean(dim=1, keepdim=True)
-            weights[name] = rgb.repeat_interleave(shape[0] // 3, dim=0) + 0.02 * randn(*shape)
-        elif len(shape) >= 4 and shape[-1] == 3:
-            weights[name] = smooth_kernel(shape)
-        else:
-            weights[name] = randn(*shape) / math.sqrt(math.prod(shape[1:]))
-    return weights
+        shutil.rmtree(partial, ignore_errors=True)
+    return target, True
 
 
-def moving_wave_latents(latent_frames: int, latent_height: int, latent_width: int, seed: int) -> torch.Tensor:
-    """[1, 48, T, h, w]: each channel a low-frequency plane wave drifting at its own speed and direction."""
-    g = torch.Generator().manual_seed(seed + 1)
-    t = torch.arange(latent_frames, dtype=torch.float32)[:, None, None]
-    y = torch.linspace(0, 1, latent_height)[None, :, None]
-    x = torch.linspace(0, 1, latent_width)[None, None, :]
-    z = torch.empty(1, Z_DIM, latent_frames, latent_height, latent_width)
-    for c in range(Z_DIM):
-        fx, fy = (1.2 * torch.randn(2, generator=g)).tolist()
-        phase = 2 * math.pi * torch.rand((), generator=g).item()
-        speed = 2.0 * torch.randn((), generator=g).item()
-        z[0, c] = 1.5 * torch.sin(2 * math.pi * (fx * x + fy * y) + phase + speed * t)
-    return z
-
-
-def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
-    """[1, 3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8."""
-    frames = (video[0].float().permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5
-    return frames.round().to(torch.uint8).numpy()
-
-
-def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
+def contact_sheet(video: Path, out: Path) -> tuple[int, tuple[int, int], float]:
+    """Every frame of `video` in a grid, as one PNG. -> the video's (frame count, (width, height), fps)."""
     import imageio_ffmpeg
+    import numpy as np
 
-    height, width = frames.shape[1:3]
-    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, codec="libx264",
-                                         pix_fmt_out="yuv420p", quality=8, macro_block_size=1)
-    writer.send(None)  # start ffmpeg
-    try:
-        for frame in frames:
-            writer.send(np.ascontiguousarray(frame))
-    finally:
-        writer.close()
+    from fastvideo_pan2_ext.reference_demo import write_contact_sheet
 
-
-def write_contact_sheet(frames: np.ndarray, path: Path, columns: int | None = None, gap: int = 4) -> None:
-    """Every frame, left to right and top to bottom, on a dark background."""
-    from PIL import Image
-
-    count, height, width = frames.shape[:3]
-    columns = columns or math.ceil(math.sqrt(count))
-    rows = math.ceil(count / columns)
-    sheet = np.full((rows * (height + gap) + gap, columns * (width + gap) + gap, 3), 24, dtype=np.uint8)
-    for i, frame in enumerate(frames):
-        top, left = gap + (i // columns) * (height + gap), gap + (i % columns) * (width + gap)
-        sheet[top : top + height, left : left + width] = frame
-    Image.fromarray(sheet).save(path)
+    reader = imageio_ffmpeg.read_frames(str(video))
+    meta = next(reader)
+    width, height = meta["size"]
+    frames = np.stack([np.frombuffer(f, dtype=np.uint8).reshape(height, width, 3) for f in reader])
+    write_contact_sheet(frames, out)
+    return len(frames), (width, height), meta["fps"]
 
 
-# --- command line ---------------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastvideo_pan2_ext.demo",
+        description="Run the PAN2 image-to-video pipeline in FastVideo on one image and write an mp4 (default: a "
+        "tiny random-weight checkpoint and a shipped sample image, CPU-friendly; the video is noise-like).")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="PAN2 checkpoint folder (default: the tiny one, made on first use in --cache-dir)")
+    parser.add_argument("--image", type=Path, default=SAMPLE_IMAGE, help="first frame (default: the sample image)")
+    parser.add_argument("--prompt", default="a calm lake below green hills, the sun shining, gentle ripples")
+    parser.add_argument("--out", type=Path, default=Path("out"), help="output folder (default: out/)")
+    parser.add_argument("--height", type=int, default=256, help="multiple of 32 (default 256; PAN2's own: 704)")
+    parser.add_argument("--width", type=int, default=384, help="multiple of 32 (default 384; PAN2's own: 1248)")
+    parser.add_argument("--frames", type=int, default=17, help="video frames, 4T-3 (default 17; PAN2's own: 121)")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (default 4; PAN2's own: 50)")
+    parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale (default 1.0 = no CFG)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decoder", choices=("kernel", "fastvideo"), default="kernel",
+                        help="VAE decode: fastvideo_pan2_ext's WanVAEDecoder (vae_decode_kernel=True, default) or "
+                        "FastVideo's own")
+    parser.add_argument("--frames-per-pass", type=int, default=4, help="latent frames per decoder pass (default 4)")
+    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"where the tiny checkpoint is kept (default: {default_cache_dir()})")
+    return parser
 
 
-def _frame_count(text: str) -> int:
-    value = _positive_int(text)
-    if (value - 1) % TEMPORAL:
-        raise argparse.ArgumentTypeError(f"must be 4k+1 (1, 5, 9, 13, 17, ...); got {value}")
-    return value
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    from fastvideo_pan2_ext.image import ImageInputError, check_size, load_image
 
-
-def _pixel_size(text: str) -> int:
-    value = _positive_int(text)
-    if value % SPATIAL or value > 2048:
-        raise argparse.ArgumentTypeError(f"must be a multiple of {SPATIAL} between 16 and 2048; got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number; got {text!r}")
-    return value
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default: out/demo)")
-    parser.add_argument("--frames", type=_frame_count, default=17, help="video frames, 4k+1 (default: 17)")
-    parser.add_argument("--height", type=_pixel_size, default=256, help="pixels, a multiple of 16 (default: 256)")
-    parser.add_argument("--width", type=_pixel_size, default=256, help="pixels, a multiple of 16 (default: 256)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and latents (default: 0)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="decode precision (default: float32)")
-    parser.add_argument("--fps", type=_positive_float, default=12.0, help="mp4 frame rate (default: 12)")
-    args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out must be a folder; {str(args.out)!r} is a file")
-    return args
+    if args.frames < 1 or (args.frames - 1) % 4:
+        parser.error(f"--frames must be 4T-3 for a whole number T >= 1 (1, 5, 9, ...); got {args.frames}")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1; got {args.steps}")
+    if args.frames_per_pass < 1:
+        parser.error(f"--frames-per-pass must be >= 1; got {args.frames_per_pass}")
+    try:
+        check_size(args.height, args.width)
+        load_image(args.image)
+    except ImageInputError as exc:
+        parser.error(str(exc))
+    if args.checkpoint is not None:
+        from fastvideo_pan2_ext.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
+
+        try:
+            check_pan2_checkpoint(args.checkpoint)
+        except NotPAN2CheckpointError as exc:
+            parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    latent_frames = (args.frames - 1) // TEMPORAL + 1
-    latent_shape = (latent_frames, args.height // SPATIAL, args.width // SPATIAL)
-
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    # FastVideo times each stage only with stage logging on; its workers read this when they start.
+    os.environ.setdefault("FASTVIDEO_STAGE_LOGGING", "1")
+    timings: list[tuple[str, float]] = []
     start = time.perf_counter()
-    weights = demo_state_dict(args.seed)
-    latents = moving_wave_latents(*latent_shape, seed=args.seed)
-    made = time.perf_counter()
-    video = reference.decode(latents, weights, getattr(torch, args.dtype))
-    decoded = time.perf_counter()
-    frames = to_uint8_frames(video)
-    mp4, sheet = args.out / "reference_decode.mp4", args.out / "reference_decode_frames.png"
-    write_mp4(frames, mp4, args.fps)
-    write_contact_sheet(frames, sheet)
-    written = time.perf_counter()
 
-    print(f"latents {[1, Z_DIM, *latent_shape]} -> video {list(video.shape)} ({args.dtype}, "
-          f"{torch.get_num_threads()} threads)")
-    print(f"weights + latents {made - start:.2f} s, reference decode {decoded - made:.2f} s, "
-          f"mp4 + png {written - decoded:.2f} s")
-    print(f"video:         {mp4}")
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        t = time.perf_counter()
+        checkpoint, made = ensure_tiny_checkpoint(args.cache_dir or default_cache_dir())
+        timings.append(("tiny checkpoint: " + ("made" if made else "from cache"), time.perf_counter() - t))
+
+    t = time.perf_counter()
+    from fastvideo import VideoGenerator
+
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    timings.append(("import FastVideo (+ PAN2 plugin)", time.perf_counter() - t))
+    t = time.perf_counter()
+    config = PAN2PipelineConfig(vae_decode_kernel=args.decoder == "kernel", vae_frames_per_pass=args.frames_per_pass)
+    generator = VideoGenerator.from_pretrained(str(checkpoint), pipeline_config=config, num_gpus=args.num_gpus)
+    timings.append(("start workers, load models", time.perf_counter() - t))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    video = (args.out / "pan2_demo.mp4").resolve()
+    if video.exists():
+        video.unlink()
+    t = time.perf_counter()
+    try:
+        result = generator.generate_video(prompt=args.prompt, image_path=str(args.image), height=args.height,
+                                          width=args.width, num_frames=args.frames, num_inference_steps=args.steps,
+                                          guidance_scale=args.guidance_scale, seed=args.seed, output_path=str(video),
+                                          save_video=True, return_frames=False)
+    finally:
+        generator.shutdown()
+    generate_time = time.perf_counter() - t
+    logging_info = result.get("logging_info") if isinstance(result, dict) else None
+    stages = logging_info.stages if logging_info is not None else {}
+    for name, info in stages.items():
+        if "execution_time" in info:
+            timings.append((f"  {name}", info["execution_time"]))
+    timings.append(("generate (all stages + save)", generate_time))
+
+    t = time.perf_counter()
+    sheet = video.with_name("pan2_demo_frames.png")
+    count, (width, height), fps = contact_sheet(video, sheet)
+    timings.append(("contact sheet", time.perf_counter() - t))
+    timings.append(("total", time.perf_counter() - start))
+
+    print()
+    print(f"video:         {video}  ({count} frames, {width}x{height}, {fps:g} fps)")
     print(f"contact sheet: {sheet}")
+    note = " (tiny, random weights: a noise-like video)" if args.checkpoint is None else ""
+    print(f"checkpoint:    {checkpoint}{note}")
+    print(f"first frame:   {args.image} (stored pixels; EXIF orientation is not applied)")
+    print(f"decoder:       {'WanVAEDecoder (fastvideo_pan2_ext)' if config.vae_decode_kernel else 'FastVideo'}")
+    print("time per stage:")
+    for name, seconds in timings:
+        print(f"  {name:40s} {seconds:8.2f} s")
     return 0
 
 
