@@ -29,12 +29,16 @@ import torch.distributed as dist
 
 from fastvideo_pan2_ext.reference import check_latents
 
+from . import memory
 from . import weights as weights_mod
 from .bands import LocalRows, RankRows
 from .ops import Ops, select_ops
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
+_PROGRESS_DELAY_S = 3.0
+# peak_bytes' replay underestimates the real CPU decode's peak by up to 7% for one-row tiles (tests measure it), so
+# a budget is checked against 1.1 x the replay.
+_PEAK_HEADROOM = 1.1  # show a progress bar only for decodes that last longer than this
 
 
 def _resolve_device(device) -> torch.device:
@@ -114,6 +118,10 @@ class _Tile:
         offset = a - self.held_start
         self.held_start = a
         return x[:, :, offset:offset + b - a].contiguous()
+
+
+def _tiles(height: int, tile_rows: int) -> list[tuple[int, int]]:
+    return [(s, min(s + tile_rows, height)) for s in range(0, height, tile_rows)]
 
 
 class _Pass:
@@ -264,13 +272,22 @@ class WanVAEDecoder:
     video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto" (compiled where built
     and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU too).
     `tile_rows=n` (or `enable_tiling(n)`): exact tiled decode of a single-rank decoder, n latent rows per tile.
+    `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder picks, per latent shape, the largest tile
+    whose peak working memory (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video)
+    fits; the plain decode when it fits whole. `decode` and `decode_iter` both honour tiling.
     """
 
     def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int = 4, local: bool = False,
-                 backend: str = "auto", tile_rows: int | None = None) -> None:
+                 backend: str = "auto", tile_rows: int | None = None, max_memory: int | str | None = None) -> None:
         if isinstance(frames_per_pass, bool) or not isinstance(frames_per_pass, int) or frames_per_pass < 1:
             raise ValueError(f"frames_per_pass must be an int >= 1; got {frames_per_pass!r}")
+        if tile_rows is not None and max_memory is not None:
+            raise ValueError(f"pass tile_rows or max_memory, not both; got tile_rows={tile_rows!r}, "
+                             f"max_memory={max_memory!r}")
         self.tile_rows = None
+        self.max_memory = None
+        self._meta_weights = None
+        self._plans: dict[tuple, int | None] = {}
         self.device = _resolve_device(device)
         self.frames_per_pass = frames_per_pass
         self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
@@ -284,6 +301,8 @@ class WanVAEDecoder:
         self._fingerprint = self._config_fingerprint()
         if tile_rows is not None:
             self.enable_tiling(tile_rows)
+        if max_memory is not None:
+            self.set_max_memory(max_memory)
 
     def enable_tiling(self, tile_rows: int) -> None:
         """Decode in tiles of `tile_rows` latent rows, one after another (exact; peak memory falls with the tile)."""
@@ -291,10 +310,89 @@ class WanVAEDecoder:
             raise ValueError(f"tile_rows must be an int >= 1; got {tile_rows!r}")
         if self.pg is not None:
             raise ValueError("tiled decode runs on one rank: pass local=True (or no process group) to use tile_rows")
-        self.tile_rows = tile_rows
+        self.tile_rows, self.max_memory = tile_rows, None
+
+    def set_max_memory(self, max_memory: int | str) -> None:
+        """Choose the tile per latent shape so that the decode's peak working memory fits `max_memory` bytes."""
+        budget = memory.parse_bytes(max_memory)
+        if self.pg is not None:
+            raise ValueError("max_memory tiles the decode, which runs on one rank: pass local=True (or no process "
+                             "group)")
+        self.tile_rows, self.max_memory, self._plans = None, budget, {}
 
     def disable_tiling(self) -> None:
-        self.tile_rows = None
+        self.tile_rows = self.max_memory = None
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Memory: the peak of a decode, measured by replaying its buffers on the meta device (see memory.py)
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False) -> int:
+        """Peak working memory (bytes) of decoding one sample of latents of `latents_shape` ([B, C, T, h, w]) with
+        `tile_rows` (None: untiled), by `decode` (stream=False) or `decode_iter` (stream=True; tiles then advance
+        together, so every tile's causal history is alive at once). Excludes weights, latents and the returned video
+        (for `decode_iter`, the chunk being yielded is included). Batch elements are decoded one after another, so
+        the batch size does not change it."""
+        _, _, t, height, width = latents_shape
+        if self._meta_weights is None:
+            self._meta_weights = {k: v.to("meta") for k, v in self.weights.items()}
+        itemsize = 4 if self.device.type == "cpu" else 2  # the portable ops compute in fp32 on CPU, bf16 on GPU
+        ops, p = memory.dry_ops(itemsize), self.config.patch_size
+        passes = self._passes(t)[:2]  # the first frame, then the largest pass: later passes repeat it
+        z = torch.empty((self.config.z_dim, passes[-1][1], height, width), device="meta")
+        meta = torch.device("meta")
+        if tile_rows is None or tile_rows >= height:
+            plans = [(None, LocalRows(height))]
+        elif stream:
+            plans = [(tile, LocalRows(height)) for tile in _tiles(height, tile_rows)]
+        else:  # tile by tile: the middle tile holds the most margin rows
+            start = (height - tile_rows) // 2
+            plans = [((start, start + tile_rows), LocalRows(height))]
+        with memory.LiveBytes() as tracker:
+            states = [_DecodeState(meta) for _ in plans]
+            for t0, t1 in passes:
+                chunk = None
+                if stream or tile_rows is None:
+                    frames = 1 if t0 == 0 else 4 * (t1 - t0)
+                    chunk = torch.empty((1, 3, frames, 8 * p * height, 8 * p * width), dtype=torch.bfloat16,
+                                        device=meta)
+                for (tile, rows), state in zip(plans, states):
+                    spec = None if tile is None else _Tile(*tile, height, self.config)
+                    zin = z[:, t0:t1] if spec is not None else z[:, t0:t1, 0:height]
+                    out = _Pass(ops, self._meta_weights, self.config, rows, state, t0 == 0, spec).run(zin)
+                    ops.unpatchify_clamp(out, out, p)
+                    del out
+                del chunk
+            del states
+        return tracker.peak
+
+    def plan_tile_rows(self, latents_shape, stream: bool = False) -> int | None:
+        """The tile `decode` (or, stream=True, `decode_iter`) uses for latents of `latents_shape`: with max_memory,
+        None (untiled) when the plain decode fits, else the largest tile_rows that fits; ValueError when even
+        one-row tiles do not fit."""
+        return self._tile_rows_for(torch.empty(tuple(latents_shape), device="meta"), stream)
+
+    def _fits(self, shape, tile_rows, stream) -> bool:
+        return self.peak_bytes(shape, tile_rows, stream) * _PEAK_HEADROOM <= self.max_memory
+
+    def _plan(self, shape, stream: bool) -> int | None:
+        height = shape[3]
+        if self._fits(shape, None, stream):
+            return None
+        smallest = int(self.peak_bytes(shape, 1, stream) * _PEAK_HEADROOM)
+        if smallest > self.max_memory:
+            raise ValueError(
+                f"max_memory {memory.format_bytes(self.max_memory)} ({self.max_memory} bytes) is too small to decode "
+                f"latents {list(shape)} even in one-row tiles: that needs {memory.format_bytes(smallest)} "
+                f"({smallest} bytes)")
+        lo, hi = 1, height - 1  # the largest tile that fits (peak grows with the tile)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(shape, mid, stream):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @property
     def backend(self) -> str:
@@ -374,11 +472,50 @@ class WanVAEDecoder:
     def decode_iter(self, latents: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         """Decode pass by pass: yields (sample index, first video frame, chunk [1, 3, F, 16h, 16w] bf16 or None on
         ranks other than 0), in order; frames 0..4T-4 of each sample come out consecutively, so a caller that only
-        writes them out never holds the whole video. Input errors raise here, before the first chunk. Streaming does
-        not tile (a tile runs over the whole clip before the next starts); `tile_rows` applies to `decode`."""
+        writes them out never holds the whole video. Input errors raise here, before the first chunk. With tiling
+        (`tile_rows` / `max_memory`) every pass runs tile after tile, each tile keeping its own causal history, so the
+        chunks are the same, the activations are one tile's, and the histories are the whole frame's (plus margins):
+        `peak_bytes(shape, n, stream=True)`."""
         rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
         self._check_input(latents, rows if isinstance(rows, RankRows) else None)
+        tile_rows = self._tile_rows_for(latents, stream=True)
+        if tile_rows is not None:
+            return self._iter_tiled(latents, tile_rows)
         return self._iter_checked(latents, rows)
+
+    def _tile_rows_for(self, latents, stream: bool) -> int | None:
+        if self.max_memory is None:
+            return self.tile_rows if self.tile_rows is not None and self.tile_rows < latents.shape[3] else None
+        key = (*latents.shape[2:], stream)
+        if key not in self._plans:
+            self._plans[key] = self._plan(latents.shape, stream)
+        return self._plans[key]
+
+    def _iter_tiled(self, latents, tile_rows: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        batch, _, t, height, width = latents.shape
+        tiles = _tiles(height, tile_rows)
+        passes = self._passes(t)
+        scale, p = 8 * self.config.patch_size, self.config.patch_size
+        whole_frame = LocalRows(height)
+        progress = _progress(batch * len(passes), True)
+        with torch.no_grad(), _no_tf32():
+            for b in range(batch):
+                states = [_DecodeState(self.device) for _ in tiles]
+                for t0, t1 in passes:
+                    frames = 1 if t0 == 0 else 4 * (t1 - t0)
+                    chunk = torch.empty((1, 3, frames, scale * height, scale * width), dtype=torch.bfloat16,
+                                        device=self.device)
+                    for (start, stop), state in zip(tiles, states):
+                        tile = _Tile(start, stop, height, self.config)
+                        out = _Pass(self.ops, self.weights, self.config, whole_frame, state, t0 == 0, tile).run(
+                            latents[b, :, t0:t1])
+                        self.ops.unpatchify_clamp(out, chunk[..., scale * start:scale * stop, :], p)
+                        del out
+                    progress.update(1)
+                    yield b, 0 if t0 == 0 else 4 * t0 - 3, chunk
+                    del chunk
+                del states
+        progress.close()
 
     def _iter_checked(self, latents, rows) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         if isinstance(rows, RankRows) and not rows.active:
@@ -398,15 +535,23 @@ class WanVAEDecoder:
                     chunk = torch.empty((1, 3, out.shape[1], p * out.shape[2], p * out.shape[3]),
                                         dtype=torch.bfloat16, device=self.device)
                     self.ops.unpatchify_clamp(out, chunk, p)
+                    del out
                     parts = rows.gather_to_root(chunk)
+                    del chunk
+                    if parts is not None:
+                        parts = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
                     progress.update(1)
-                    yield b, 0 if t0 == 0 else 4 * t0 - 3, None if parts is None else torch.cat(parts, dim=-2)
+                    yield b, 0 if t0 == 0 else 4 * t0 - 3, parts
+                    del parts
         progress.close()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None."""
-        if self.tile_rows is not None:
-            return self._decode_tiled(latents)
+        if self.tile_rows is not None or self.max_memory is not None:
+            self._check_input(latents, None)
+            tile_rows = self._tile_rows_for(latents, stream=False)
+            if tile_rows is not None:
+                return self._decode_tiled(latents, tile_rows)
         chunks = self.decode_iter(latents)
         video = None
         for b, frame, chunk in chunks:
@@ -417,11 +562,10 @@ class WanVAEDecoder:
             video[b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)
         return video
 
-    def _decode_tiled(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode_tiled(self, latents: torch.Tensor, tile_rows: int) -> torch.Tensor:
         """Tile by tile, each over the whole clip, so one tile's state is alive at a time (see the module notes)."""
-        self._check_input(latents, None)
         batch, _, t, height, _ = latents.shape
-        tiles = [(s, min(s + self.tile_rows, height)) for s in range(0, height, self.tile_rows)]
+        tiles = _tiles(height, tile_rows)
         passes = self._passes(t)
         video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
         scale, p = 8 * self.config.patch_size, self.config.patch_size
@@ -438,7 +582,9 @@ class WanVAEDecoder:
                         frame = 0 if t0 == 0 else 4 * t0 - 3
                         self.ops.unpatchify_clamp(
                             out, video[b:b + 1, :, frame:frame + out.shape[1], scale * start:scale * stop], p)
+                        del out
                         progress.update(1)
+                    del state
         progress.close()
         return video
 

@@ -1,0 +1,91 @@
+"""`max_memory`: the decoder measures its own peak working memory (a replay of its buffers on the meta device) and
+picks the largest tile that fits; the decode stays bit-identical to the plain decode and really stays in budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _decoder_allowance import latents
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.memory import LiveBytes, parse_bytes
+
+SHAPE = (2, 8, 3, 7, 2)  # batch 2, an odd frame height, a first pass and a two-frame pass
+
+
+@pytest.fixture(scope="module")
+def decoder(wan22_state_dict):
+    return WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+
+
+@pytest.fixture(scope="module")
+def plain(decoder):
+    z = latents(SHAPE, seed=7)
+    return z, decoder.decode(z)
+
+
+def _working_peak(decoder, z, video_bytes):
+    """What the decode really allocated beyond its inputs and the returned video, counted op by op."""
+    with LiveBytes() as tracker:
+        video = decoder.decode(z)
+    return video, tracker.peak - video_bytes
+
+
+@pytest.mark.parametrize("tile_rows", [None, 1, 3])
+def test_peak_estimate_tracks_the_real_decodes_allocations(decoder, tile_rows):
+    z = latents((1, *SHAPE[1:]), seed=7)
+    decoder.disable_tiling() if tile_rows is None else decoder.enable_tiling(tile_rows)
+    try:
+        _, measured = _working_peak(decoder, z, 2 * torch.Size(decoder.output_shape(z)).numel())
+    finally:
+        decoder.disable_tiling()
+    estimate = decoder.peak_bytes(z.shape, tile_rows)
+    assert 0.9 * measured <= estimate <= 1.35 * measured, (tile_rows, estimate, measured)
+
+
+def test_peak_falls_with_the_tile(decoder):
+    peaks = [decoder.peak_bytes(SHAPE, n) for n in (1, 2, 4)]
+    assert peaks[0] < peaks[1] < peaks[2] < decoder.peak_bytes(SHAPE)
+
+
+def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_state_dict, decoder, plain):
+    z, expected = plain
+    budget = int(1.1 * decoder.peak_bytes(SHAPE, 3)) + 1
+    limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
+    chosen = limited.plan_tile_rows(SHAPE)
+    assert chosen is not None and chosen >= 3
+    assert 1.1 * limited.peak_bytes(SHAPE, chosen + 1) > budget  # the next size would not fit
+    video, measured = _working_peak(limited, z, expected.numel() * 2)
+    assert torch.equal(video, expected)
+    assert measured <= budget, (measured, budget)
+
+
+def test_max_memory_that_fits_the_whole_frame_decodes_untiled(wan22_state_dict, decoder):
+    roomy = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="1GiB")
+    assert roomy.plan_tile_rows(SHAPE) is None and roomy.plan_tile_rows(SHAPE, stream=True) is None
+
+
+def test_max_memory_too_small_for_one_row_tiles_names_budget_and_minimum(wan22_state_dict, decoder, plain):
+    z, _ = plain
+    tiny = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="64KiB")
+    with pytest.raises(ValueError, match=r"max_memory 0\.1 MiB \(65536 bytes\) is too small .* needs [0-9.]+ MiB"):
+        tiny.decode(z)
+    with pytest.raises(ValueError, match=r"\(65536 bytes\) is too small"):
+        tiny.decode_iter(z)
+
+
+def test_max_memory_and_tile_rows_together_are_rejected(wan22_state_dict):
+    with pytest.raises(ValueError, match=r"tile_rows or max_memory, not both; got tile_rows=4, max_memory='1GiB'"):
+        WanVAEDecoder(wan22_state_dict, device="cpu", tile_rows=4, max_memory="1GiB")
+
+
+@pytest.mark.parametrize("budget", [0, -5, "lots", "2 GiBs", 1.5, True, None])
+def test_bad_budgets_are_rejected(budget):
+    with pytest.raises(ValueError, match="max_memory must be"):
+        parse_bytes(budget)
+
+
+@pytest.mark.parametrize("text, expected", [("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                            ("4096", 4096), (123, 123)])
+def test_budget_strings_mean_bytes(text, expected):
+    assert parse_bytes(text) == expected
