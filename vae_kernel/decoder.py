@@ -35,10 +35,11 @@ from .bands import LocalRows, RankRows
 from .ops import Ops, select_ops
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_PROGRESS_DELAY_S = 3.0
-# peak_bytes' replay underestimates the real CPU decode's peak by up to 7% for one-row tiles (tests measure it), so
-# a budget is checked against 1.1 x the replay.
-_PEAK_HEADROOM = 1.1  # show a progress bar only for decodes that last longer than this
+_PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
+# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
+# frames (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is checked against
+# 1.3 x the replay.
+_PEAK_HEADROOM = 1.3
 
 
 def _resolve_device(device) -> torch.device:

@@ -1,0 +1,120 @@
+"""Streaming mp4 output: write decoded frames as they come, never holding the whole video.
+
+`write_video_stream(chunks, path, fps)` takes what `WanVAEDecoder.decode_iter(latents)` yields ((sample, first
+frame, chunk [1, 3, t, H, W] in [-1, 1]) tuples) or bare [1, 3, t, H, W] tensors, and appends each frame to `path`
+as soon as its chunk arrives. Frames are quantised exactly as FastVideo's save step does (the decode's
+`x / 2 + 0.5` clamped to [0, 1], `* 255`, truncated to uint8, in fp32) and written through imageio's ffmpeg writer
+with `imageio.mimsave(path, frames, fps=fps, format="mp4")`'s defaults, so the file is byte-identical to that
+non-streamed save of the same frames. One file holds one video: a chunk of a second batch sample is an error here;
+`write_videos_stream(chunks, paths, fps)` writes one file per sample (samples arrive one after another).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+
+def to_uint8_frames(chunk: torch.Tensor) -> np.ndarray:
+    """[1, 3, t, H, W] in [-1, 1] -> [t, H, W, 3] uint8, as FastVideo quantises a decoded video."""
+    unit = (chunk[0].float() / 2 + 0.5).clamp(0, 1)
+    return (unit * 255).clamp_(0, 255).to(torch.uint8).permute(1, 2, 3, 0).contiguous().numpy()
+
+
+def _items(chunks):
+    """(sample, first frame, chunk) for decode_iter tuples and bare tensors (one sample, frames in order)."""
+    next_frame = 0
+    for item in chunks:
+        if isinstance(item, torch.Tensor):
+            item = (0, next_frame, item)
+        if not (isinstance(item, tuple) and len(item) == 3):
+            raise ValueError(f"chunks must be decode_iter's (sample, first frame, chunk) tuples or [1, 3, t, H, W] "
+                             f"tensors; got {type(item).__name__}")
+        sample, frame, chunk = item
+        if chunk is None:  # a decode-group rank other than 0 gets no frames
+            continue
+        if not isinstance(chunk, torch.Tensor) or chunk.dim() != 5 or chunk.shape[1] != 3:
+            shape = list(chunk.shape) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
+            raise ValueError(f"a chunk must be [1, 3, t, H, W]; got {shape}")
+        if chunk.shape[0] != 1:
+            raise ValueError(f"a chunk must hold one sample ([1, 3, t, H, W]); got batch {chunk.shape[0]}: stream "
+                             f"decode_iter's chunks, or write one video per sample")
+        next_frame = frame + chunk.shape[2]
+        yield sample, frame, chunk
+
+
+class _Mp4:
+    """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults)."""
+
+    def __init__(self, path, fps: float) -> None:
+        import imageio  # noqa: PLC0415 - only needed when writing
+
+        self.path = Path(path)
+        self.writer = imageio.get_writer(self.path, fps=fps, format="mp4")
+        self.frames = 0
+
+    def append(self, frame: int, chunk: torch.Tensor) -> None:
+        if frame != self.frames:
+            raise ValueError(f"chunks must come in frame order: {self.path} has {self.frames} frames, the next chunk "
+                             f"starts at frame {frame}")
+        for image in to_uint8_frames(chunk):
+            self.writer.append_data(image)
+        self.frames += chunk.shape[2]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _check_fps(fps) -> None:
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise ValueError(f"fps must be a positive number; got {fps!r}")
+
+
+def write_video_stream(chunks: Iterable, path, fps: float) -> int:
+    """Write one video's chunks to `path` as they come; returns the number of frames written. A chunk of sample 1
+    or later (batch > 1) raises ValueError: use `write_videos_stream` for one file per sample."""
+    _check_fps(fps)
+    mp4 = None
+    try:
+        for sample, frame, chunk in _items(chunks):
+            if sample != 0:
+                raise ValueError(f"write_video_stream writes one video, but the chunks hold sample {sample} "
+                                 f"(batch > 1): use write_videos_stream(chunks, paths, fps) for one file per sample")
+            if mp4 is None:
+                mp4 = _Mp4(path, fps)
+            mp4.append(frame, chunk)
+    finally:
+        if mp4 is not None:
+            mp4.close()
+    if mp4 is None:
+        raise ValueError("no chunks to write (on a decode group, only rank 0 receives frames)")
+    return mp4.frames
+
+
+def write_videos_stream(chunks: Iterable, paths, fps: float) -> list[int]:
+    """One file per batch sample: `paths[b]` gets sample b's frames as they come. Returns frames written per file."""
+    _check_fps(fps)
+    paths = list(paths)
+    written: list[int] = []
+    mp4 = None
+    try:
+        for sample, frame, chunk in _items(chunks):
+            if sample >= len(paths):
+                raise ValueError(f"the chunks hold sample {sample} but only {len(paths)} paths were given")
+            if mp4 is None or sample != len(written) - 1:
+                if sample != len(written):
+                    raise ValueError(f"samples must come one after another; got sample {sample} after "
+                                     f"{len(written)} finished or started")
+                if mp4 is not None:
+                    mp4.close()
+                mp4 = _Mp4(paths[sample], fps)
+                written.append(0)
+            mp4.append(frame, chunk)
+            written[-1] = mp4.frames
+    finally:
+        if mp4 is not None:
+            mp4.close()
+    return written

@@ -1,0 +1,101 @@
+"""Streaming output: `decode_iter` chunks (plain or tiled, any batch and size) are the plain decode's frames, and
+`write_video_stream` writes them to the same mp4 a non-streamed save of the plain decode writes."""
+
+from __future__ import annotations
+
+import imageio
+import imageio_ffmpeg
+import numpy as np
+import pytest
+import torch
+
+from _decoder_allowance import latents
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.video_io import to_uint8_frames, write_video_stream, write_videos_stream
+
+SHAPE = (2, 8, 4, 5, 3)  # batch 2, odd latent height: 80 x 48 px frames, 13 frames, three passes
+
+
+@pytest.fixture(scope="module")
+def plain(wan22_state_dict):
+    z = latents(SHAPE, seed=11)
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+    return z, decoder, decoder.decode(z)
+
+
+def _frames(path) -> np.ndarray:
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = reader.__next__()
+    width, height = meta["size"]
+    return np.stack([np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader])
+
+
+def _joined(chunks, batch: int) -> list[torch.Tensor]:
+    per_sample = [[] for _ in range(batch)]
+    for b, frame, chunk in chunks:
+        assert frame == sum(c.shape[2] for c in per_sample[b])  # consecutive
+        per_sample[b].append(chunk)
+    return [torch.cat(parts, dim=2) for parts in per_sample]
+
+
+@pytest.mark.parametrize("tile_rows", [None, 2])
+def test_decode_iter_chunks_are_the_plain_decode_for_every_sample(wan22_state_dict, plain, tile_rows):
+    z, _, expected = plain
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
+    videos = _joined(decoder.decode_iter(z), SHAPE[0])
+    for b, video in enumerate(videos):
+        assert torch.equal(video, expected[b:b + 1])
+
+
+def test_streamed_mp4_is_byte_identical_to_saving_the_plain_decode(plain, tmp_path):
+    z, decoder, expected = plain
+    one = z[:1]
+    written = write_video_stream(decoder.decode_iter(one), tmp_path / "streamed.mp4", fps=24)
+    assert written == 4 * SHAPE[2] - 3
+    imageio.mimsave(tmp_path / "whole.mp4", list(to_uint8_frames(expected[:1])), fps=24, format="mp4")
+    assert (tmp_path / "streamed.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+    frames = _frames(tmp_path / "streamed.mp4")
+    assert frames.shape == (4 * SHAPE[2] - 3, 16 * SHAPE[3], 16 * SHAPE[4], 3)
+
+
+def test_one_file_per_sample_for_a_batch(plain, tmp_path):
+    z, decoder, expected = plain
+    paths = [tmp_path / "a.mp4", tmp_path / "b.mp4"]
+    assert write_videos_stream(decoder.decode_iter(z), paths, fps=24) == [4 * SHAPE[2] - 3] * 2
+    for b, path in enumerate(paths):
+        imageio.mimsave(tmp_path / "whole.mp4", list(to_uint8_frames(expected[b:b + 1])), fps=24, format="mp4")
+        assert path.read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+
+
+def test_quantisation_is_fastvideos(plain):
+    """FastVideo's save: x / 2 + 0.5 clamped to [0, 1] (its decode stage), then (x * 255).clamp(0, 255) -> uint8."""
+    _, _, expected = plain
+    unit = (expected[:1].float() / 2 + 0.5).clamp(0, 1)
+    fastvideo = (unit * 255).clamp_(0, 255).to(torch.uint8)[0].permute(1, 2, 3, 0).numpy()
+    assert np.array_equal(to_uint8_frames(expected[:1]), fastvideo)
+
+
+def test_a_batch_into_one_file_is_a_clear_error(plain, tmp_path):
+    z, decoder, _ = plain
+    with pytest.raises(ValueError, match=r"writes one video, but the chunks hold sample 1 \(batch > 1\): use "
+                                         r"write_videos_stream"):
+        write_video_stream(decoder.decode_iter(z), tmp_path / "x.mp4", fps=24)
+    with pytest.raises(ValueError, match=r"must hold one sample .* got batch 2"):
+        write_video_stream([torch.zeros(2, 3, 1, 16, 16)], tmp_path / "y.mp4", fps=24)
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([torch.zeros(1, 3, 16, 16)], r"a chunk must be \[1, 3, t, H, W\]; got \[1, 3, 16, 16\]"),
+    ([(0, 1, torch.zeros(1, 3, 1, 16, 16))], r"frame order: .* has 0 frames, the next chunk starts at frame 1"),
+    (["frame"], r"got str"),
+    ([], r"no chunks to write"),
+])
+def test_bad_chunks_are_clear_errors(tmp_path, chunks, message):
+    with pytest.raises(ValueError, match=message):
+        write_video_stream(chunks, tmp_path / "z.mp4", fps=24)
+
+
+@pytest.mark.parametrize("fps", [0, -1, "24", True])
+def test_fps_must_be_positive(tmp_path, fps):
+    with pytest.raises(ValueError, match="fps must be a positive number"):
+        write_video_stream([torch.zeros(1, 3, 1, 16, 16)], tmp_path / "z.mp4", fps=fps)
