@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 _plugins_loaded = False
 
 
-def _selected(names: list[str], environ) -> set[str] | None:
+def _selected(environ) -> set[str] | None:
+    """The plugin names FASTVIDEO_PLUGINS allows, or None for all."""
     raw = environ.get(PLUGINS_ENV)
     if raw is None:
         return None
@@ -46,7 +47,7 @@ def load_plugins(environ=None) -> dict[str, object]:
 
     environ = os.environ if environ is None else environ
     discovered = list(entry_points(group=PLUGINS_GROUP))
-    allowed = _selected([ep.name for ep in discovered], environ)
+    allowed = _selected(environ)
     logger.debug("FastVideo plugins found: %s", [ep.name for ep in discovered])
     if allowed is not None:
         logger.debug("%s=%s: loading only %s", PLUGINS_ENV, environ.get(PLUGINS_ENV), sorted(allowed))

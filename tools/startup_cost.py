@@ -49,7 +49,8 @@ def main() -> None:
             a, b = statistics.median(with_hook), statistics.median(without)
             print(f"{label:28s} with hook {a * 1000:8.1f} ms   without {b * 1000:8.1f} ms   "
                   f"difference {(a - b) * 1000:+7.1f} ms (median of {args.runs}, interleaved)")
-    code = "import sys; print(sorted(m for m in sys.modules if 'pan2' in m), [type(f).__name__ for f in sys.meta_path])"
+    code = ("import sys; print(sorted(m for m in sys.modules if 'pan2' in m), "
+            "[type(f).__name__ for f in sys.meta_path])")
     print("after start-up (pan2 modules, sys.meta_path):", subprocess.run([sys.executable, "-c", code],
                                                                           capture_output=True, text=True).stdout.strip())
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True).stderr
