@@ -51,8 +51,8 @@ def main() -> None:
                   f"difference {(a - b) * 1000:+7.1f} ms (median of {args.runs}, interleaved)")
     code = ("import sys; print(sorted(m for m in sys.modules if 'pan2' in m), "
             "[type(f).__name__ for f in sys.meta_path])")
-    print("after start-up (pan2 modules, sys.meta_path):", subprocess.run([sys.executable, "-c", code],
-                                                                          capture_output=True, text=True).stdout.strip())
+    after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+    print("after start-up (pan2 modules, sys.meta_path):", after)
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True).stderr
     print("-X importtime lines mentioning the package (self us | cumulative us | module):")
     for line in out.splitlines():
