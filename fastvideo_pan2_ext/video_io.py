@@ -12,7 +12,7 @@ non-streamed save of the same frames. One file holds one video: a chunk of a sec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ class _Mp4:
     """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults)."""
 
     def __init__(self, path, fps: float) -> None:
-        import imageio  # noqa: PLC0415 - only needed when writing
+        import imageio  # only needed when writing
 
         self.path = Path(path)
         self.writer = imageio.get_writer(self.path, fps=fps, format="mp4")

@@ -12,7 +12,10 @@ The same math as `reference.decode` (diffusers' `AutoencoderKLWan.decode`), orga
 - tiled decode (`tile_rows`) runs row tiles one after another, each over the whole clip, so only one tile's
   activations and histories are alive at a time. It is exact, not blended: the mid block (whose attention sees the
   whole frame) runs on the whole frame at latent resolution, and each tile then carries enough extra rows, cropped
-  level by level (`tile_margins`), that the zero rows at its cut edges never reach the rows it keeps.
+  level by level (`tile_margins`), that the zero rows at its cut edges never reach the rows it keeps. `decode_iter`
+  tiles pass by pass instead (each tile keeps its own history), so streaming and tiling combine;
+- `max_memory` picks the tile from the decoder's own buffers: `peak_bytes` replays a decode's allocations on the meta
+  device (`memory.py`) and the largest tile whose peak fits the budget wins.
 
 Batch elements are decoded one after another: they are independent, and it keeps every activation of a pass
 contiguous.

@@ -59,14 +59,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._sweep()
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            ref = StorageWeakRef(storage)
-            if ref.cdata not in self.live:
-                self.live[ref.cdata] = (ref, storage.nbytes())
-                self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        new = [t.untyped_storage() for t in _tensors(out) if t.untyped_storage()._cdata not in self.live]
+        if new:  # frees only matter for the peak at the next allocation
+            self._sweep()
+            for storage in new:
+                if storage._cdata not in self.live:
+                    self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
         return out
 
     def _sweep(self) -> None:
