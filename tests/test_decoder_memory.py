@@ -60,6 +60,18 @@ def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_s
     assert measured <= budget, (measured, budget)
 
 
+def test_max_memory_streams_in_tiles_exactly_and_within_budget(wan22_state_dict, decoder, plain):
+    z, expected = plain
+    budget = int(1.3 * decoder.peak_bytes(SHAPE, 4, stream=True)) + 1
+    limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
+    assert limited.plan_tile_rows(SHAPE, stream=True) is not None
+    with LiveBytes() as tracker:
+        for b, frame, chunk in limited.decode_iter(z):
+            assert torch.equal(chunk, expected[b:b + 1, :, frame:frame + chunk.shape[2]])
+            del chunk
+    assert tracker.peak <= budget, (tracker.peak, budget)
+
+
 def test_max_memory_that_fits_the_whole_frame_decodes_untiled(wan22_state_dict, decoder):
     roomy = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="1GiB")
     assert roomy.plan_tile_rows(SHAPE) is None and roomy.plan_tile_rows(SHAPE, stream=True) is None
@@ -68,9 +80,11 @@ def test_max_memory_that_fits_the_whole_frame_decodes_untiled(wan22_state_dict, 
 def test_max_memory_too_small_for_one_row_tiles_names_budget_and_minimum(wan22_state_dict, decoder, plain):
     z, _ = plain
     tiny = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="64KiB")
-    with pytest.raises(ValueError, match=r"max_memory 0\.1 MiB \(65536 bytes\) is too small .* needs [0-9.]+ MiB"):
+    with pytest.raises(ValueError, match=r"max_memory 0\.1 MiB \(65536 bytes\) is too small to decode latents "
+                                         r"\[2, 8, 3, 7, 2\] even in one-row tiles: that needs at least [0-9.]+ MiB"):
         tiny.decode(z)
-    with pytest.raises(ValueError, match=r"\(65536 bytes\) is too small"):
+    with pytest.raises(ValueError, match=r"\(65536 bytes\) is too small .* streamed \(decode_iter\) in any tile "
+                                         r"size: that needs at least"):
         tiny.decode_iter(z)
 
 

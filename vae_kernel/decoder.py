@@ -383,20 +383,37 @@ class WanVAEDecoder:
         height = shape[3]
         if self._fits(shape, None, stream):
             return None
-        smallest = int(self.peak_bytes(shape, 1, stream) * _PEAK_HEADROOM)
+        if stream:
+            return self._plan_stream(shape)
+        smallest = int(self.peak_bytes(shape, 1) * _PEAK_HEADROOM)
         if smallest > self.max_memory:
-            raise ValueError(
-                f"max_memory {memory.format_bytes(self.max_memory)} ({self.max_memory} bytes) is too small to decode "
-                f"latents {list(shape)} even in one-row tiles: that needs {memory.format_bytes(smallest)} "
-                f"({smallest} bytes)")
-        lo, hi = 1, height - 1  # the largest tile that fits (peak grows with the tile)
+            raise self._too_small(shape, smallest, "even in one-row tiles")
+        lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(shape, mid, stream):
+            if self._fits(shape, mid, False):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+    def _plan_stream(self, shape) -> int:
+        """Streaming keeps every tile's history, and the tiles' margins overlap, so below some size smaller tiles
+        cost more (Wan2.2 at 704x1248: least near 11 rows). Try each tile count's largest tile, largest first."""
+        height = shape[3]
+        candidates = sorted({-(-height // k) for k in range(2, height + 1)}, reverse=True)
+        peaks = []
+        for rows in candidates:
+            peak = int(self.peak_bytes(shape, rows, True) * _PEAK_HEADROOM)
+            if peak <= self.max_memory:
+                return rows
+            peaks.append(peak)
+        raise self._too_small(shape, min(peaks), "streamed (decode_iter) in any tile size")
+
+    def _too_small(self, shape, needed: int, how: str) -> ValueError:
+        return ValueError(
+            f"max_memory {memory.format_bytes(self.max_memory)} ({self.max_memory} bytes) is too small to decode "
+            f"latents {list(shape)} {how}: that needs at least {memory.format_bytes(needed)} ({needed} bytes)")
 
     @property
     def backend(self) -> str:
