@@ -112,7 +112,7 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
                          "compression needs 2")
 
     out_channels = _require_present(sd, "decoder.conv_out.weight").shape[0]
-    patch_size = int(math.isqrt(out_channels // 3))
+    patch_size = math.isqrt(out_channels // 3)
     if patch_size * patch_size * 3 != out_channels:
         raise ValueError(f"decoder.conv_out has {out_channels} output channels; expected 3 x p x p")
 
@@ -380,13 +380,16 @@ def best_output_size(w: int, h: int, dw: int, dh: int, expected_area: int) -> tu
 def load_first_frame(path, height: int, width: int) -> torch.Tensor:
     """The first frame as Wan2.2's i2v sampler makes it: [1, 3, 1, H, W] float32 in [-1, 1].
 
-    The stored pixels (no EXIF orientation) as RGB; an output size of area height x width in multiples of 32 with the
-    image's aspect ratio; LANCZOS resize to cover it; centre crop; `(x / 255 - 0.5) / 0.5`.
+    The stored pixels (no EXIF orientation) as RGB, then `first_frame_from_image`.
     """
-    for name, value in (("height", height), ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 32:
-            raise ValueError(f"{name} must be an int >= 32; got {value!r}")
-    img = Image.open(path).convert("RGB")
+    _check_frame_size(height, width)
+    return first_frame_from_image(Image.open(path).convert("RGB"), height, width)
+
+
+def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
+    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: an output size of area height x width in multiples of 32
+    with the image's aspect ratio; LANCZOS resize to cover it; centre crop; `(x / 255 - 0.5) / 0.5`."""
+    _check_frame_size(height, width)
     iw, ih = img.size
     ow, oh = best_output_size(iw, ih, 32, 32, height * width)
     scale = max(ow / iw, oh / ih)
@@ -396,3 +399,9 @@ def load_first_frame(path, height: int, width: int) -> torch.Tensor:
     pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
     frame = pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)
     return frame.unsqueeze(1).unsqueeze(0)
+
+
+def _check_frame_size(height, width) -> None:
+    for name, value in (("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 32:
+            raise ValueError(f"{name} must be an int >= 32; got {value!r}")

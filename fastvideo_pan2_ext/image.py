@@ -1,18 +1,18 @@
 """Reading PAN2's first frame: the stored pixels (no EXIF transpose), Wan2.2's resize-and-crop rule.
 
-`load_first_frame` is bit-identical to `fastvideo_pan2_ext.reference.load_first_frame` (its definition) and adds
-the input checks a public entry point needs. Bad input raises `ImageInputError` (a ValueError) with one line that
-names the file and the problem.
+`load_first_frame` computes the frame with the reference's own function (`fastvideo_pan2_ext.reference`, its
+definition) and adds the input checks a public entry point needs. Bad input raises `ImageInputError` (a
+ValueError) with one line that names the file and the problem.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.reference import best_output_size
 
 # Pillow's own decompression-bomb threshold (~89.5 MP); larger images are refused before their pixels are decoded.
@@ -81,17 +81,10 @@ def first_frame_size(image_width: int, image_height: int, height: int, width: in
 
 
 def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
-    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: LANCZOS resize to cover, centre crop, (x - 0.5) / 0.5."""
+    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1], by the reference's rule, after PAN2's input checks."""
     check_size(height, width)
-    iw, ih = img.size
-    ow, oh = first_frame_size(iw, ih, height, width)
-    scale = max(ow / iw, oh / ih)
-    img = img.resize((round(iw * scale), round(ih * scale)), Image.LANCZOS)
-    x1, y1 = (img.width - ow) // 2, (img.height - oh) // 2
-    img = img.crop((x1, y1, x1 + ow, y1 + oh))
-    pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
-    frame = pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)
-    return frame.unsqueeze(1).unsqueeze(0)
+    first_frame_size(*img.size, height, width)  # a one-line error for aspect ratios the rule cannot serve
+    return reference.first_frame_from_image(img, height, width)
 
 
 def load_first_frame(path, height: int, width: int) -> torch.Tensor:
