@@ -310,7 +310,7 @@ def _unpatchify(x, patch_size: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _exact_fp32():
+def exact_fp32():
     """cuDNN convs and matmuls default to TF32 on recent GPUs; the reference's fp32 means fp32."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -345,7 +345,7 @@ def decode(z: torch.Tensor, state_dict: dict[str, torch.Tensor], dtype: torch.dt
     check_latents(z, config.z_dim)
     p = {k: v.to(device=z.device, dtype=dtype) for k, v in _strip_prefix(state_dict).items()}
     z = z.to(dtype)
-    with _exact_fp32():
+    with exact_fp32():
         x = _causal_conv3d(z, p["post_quant_conv.weight"], p["post_quant_conv.bias"])
         cache = _CausalCache()
         frames = [_decode_frame(p, config, x[:, :, i : i + 1], cache, first_chunk=i == 0) for i in range(x.shape[2])]

@@ -158,7 +158,7 @@ def test_decode_turns_tf32_off_for_its_run_and_restores_it(wan22_state_dict, res
 def test_tf32_flags_are_restored_when_the_decode_raises(restore_tf32_flags):
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     with pytest.raises(RuntimeError, match="boom"):
-        with reference._exact_fp32():
+        with reference.exact_fp32():
             assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
             raise RuntimeError("boom")
     assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32

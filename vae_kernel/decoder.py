@@ -23,14 +23,13 @@ contiguous.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from fastvideo_pan2_ext.reference import check_latents
+from fastvideo_pan2_ext.reference import check_latents, exact_fp32
 
 from . import memory
 from . import weights as weights_mod
@@ -56,17 +55,6 @@ def _resolve_device(device) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-@contextlib.contextmanager
-def _no_tf32():
-    """fp32 must mean fp32 in the few fp32 steps on a GPU (cuDNN and matmul default to TF32 in recent torch)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 class _DecodeState:
@@ -519,7 +507,7 @@ class WanVAEDecoder:
         scale, p = 8 * self.config.patch_size, self.config.patch_size
         whole_frame = LocalRows(height)
         progress = _progress(batch * len(passes), True)
-        with torch.no_grad(), _no_tf32():
+        with torch.no_grad(), exact_fp32():
             for b in range(batch):
                 states = [_DecodeState(self.device) for _ in tiles]
                 for t0, t1 in passes:
@@ -546,7 +534,7 @@ class WanVAEDecoder:
         lo, hi = max(start - 1, 0), min(stop + 1, height)
         passes = self._passes(t)
         progress = _progress(batch * len(passes), rows.is_root)
-        with torch.no_grad(), _no_tf32():
+        with torch.no_grad(), exact_fp32():
             for b in range(batch):
                 state = _DecodeState(self.device)
                 for t0, t1 in passes:
@@ -592,7 +580,7 @@ class WanVAEDecoder:
         scale, p = 8 * self.config.patch_size, self.config.patch_size
         whole_frame = LocalRows(height)
         progress = _progress(batch * len(tiles) * len(passes), True)
-        with torch.no_grad(), _no_tf32():
+        with torch.no_grad(), exact_fp32():
             for b in range(batch):
                 for start, stop in tiles:
                     state = _DecodeState(self.device)
