@@ -26,10 +26,9 @@ class PAN2InputStage(InputValidationStage):
 
     def forward(self, batch, fastvideo_args):
         image_path, pil_image = batch.image_path, batch.pil_image
-        if image_path is None and pil_image is None:
-            check_size(batch.height, batch.width)
-            return super().forward(batch, fastvideo_args)
         check_size(batch.height, batch.width)
+        if image_path is None and pil_image is None:
+            return super().forward(batch, fastvideo_args)
         if image_path is not None:
             img = load_image(image_path)
         elif isinstance(pil_image, Image.Image):
