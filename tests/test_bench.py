@@ -40,7 +40,7 @@ def test_bench_without_diffusers_uses_the_bit_identical_reference_baseline(tmp_p
 
 def test_bench_weights_drive_diffusers_and_the_reference_identically():
     workload = bench.WORKLOADS["cpu-tiny"]
-    sd = bench.random_state_dict(workload.config)
+    sd = bench.random_weights(workload.config)
     vae = bench.diffusers_vae(workload, sd).to(torch.bfloat16)
     z = bench.seeded_latents(workload, 2)
     with torch.no_grad():

@@ -36,7 +36,8 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.reference import WanVAEConfig, expected_shapes  # noqa: E402
+from fastvideo_pan2_ext.reference import WanVAEConfig  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled import random_weights  # noqa: E402
 
 ALLOWANCE = 3.0
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -71,21 +72,6 @@ WORKLOADS = {
 # --------------------------------------------------------------------------------------------------------------------
 # Weights, latents and the baseline module
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def random_state_dict(config: WanVAEConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded weights for every decoder tensor: convs randn / sqrt(fan_in), biases 0.1 randn, gammas 1 + 0.1 randn."""
-    generator = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, shape in expected_shapes(config).items():
-        noise = torch.randn(shape, generator=generator)
-        if name.endswith("gamma"):
-            sd[name] = 1.0 + 0.1 * noise
-        elif name.endswith("bias"):
-            sd[name] = 0.1 * noise
-        else:
-            sd[name] = noise / math.sqrt(math.prod(shape[1:]))
-    return sd
 
 
 def diffusers_vae(workload: Workload, sd: dict[str, torch.Tensor]):
@@ -249,7 +235,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
 
     frames = tuple(sorted(args.frames)) if args.frames else workload.frames
-    sd = random_state_dict(workload.config, seed=0)
+    sd = random_weights(workload.config, seed=0)
     sd_on_device = {k: v.to(device) for k, v in sd.items()}
     vae = None if args.no_diffusers or args.skip_baselines else diffusers_vae(workload, sd)
     if vae is not None:
