@@ -7,6 +7,7 @@ defaults: a `SamplingParam` subclass and an `InferencePreset`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from fastvideo.api.presets import InferencePreset, PresetStageSpec
@@ -24,18 +25,38 @@ DEFAULT_FPS = 24
 DEFAULT_GUIDANCE_SCALE = 5.0
 DEFAULT_NUM_INFERENCE_STEPS = 50
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
     """Wan2.2-TI2V-5B's config plus PAN2's decoder switches.
 
     vae_decode_kernel: decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this rank) instead of FastVideo's
-        own Wan VAE decode.
+        own Wan VAE decode. When a request only saves the video, the frames are then written to the mp4 as they are
+        decoded (`fastvideo_pan2_ext.stream_save`).
     vae_frames_per_pass: latent frames the fast decoder processes per pass (memory vs speed; same video).
+    vae_decode_tile_rows: decode in exact tiles of this many latent rows (fast decoder only; same video, less memory).
+    vae_decode_max_memory: or let the fast decoder pick the largest tile whose working memory fits this budget
+        (bytes, or a string such as "8GiB").
+
+    FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
+    (measured; `tests/test_vae_switches.py`):
+    - `vae_tiling` (default False) and `vae_sp` (default False): the decode stage calls the VAE's `enable_tiling()`,
+      which FastVideo's Wan VAE ignores while `vae_config.use_feature_cache` is True: same video, same memory. Setting
+      `vae_tiling=True` logs a warning saying so.
+    - `vae_config.use_feature_cache` (default True): False routes encode and decode through FastVideo's generic tiled
+      paths, which do not patchify/unpatchify a Wan2.2 VAE (12-channel frames at the wrong size, or a crash in the
+      encoder): refused with a ValueError.
+    - The first-frame encode is FastVideo's feature-cache encode of one frame, untiled, in `vae_precision` (fp32).
+    - There is no slicing switch: FastVideo's denoising stage takes one video per request, and WanVAEDecoder decodes
+      batch elements one after another anyway (what diffusers' `enable_slicing()` does).
     """
 
     vae_decode_kernel: bool = False
     vae_frames_per_pass: int = 4
+    vae_decode_tile_rows: int | None = None
+    vae_decode_max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,11 +65,56 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
         from fastvideo_pan2_ext.attention import apply_fa4_policy
 
         apply_fa4_policy()
+        self.check_vae_options()
+        if self.vae_tiling:
+            logger.warning("vae_tiling=True changes nothing for PAN2 in FastVideo 0.2.1: its Wan VAE ignores tiling "
+                           "while vae_config.use_feature_cache is True (the only mode that decodes a Wan2.2 VAE "
+                           "correctly). For bounded decode memory use vae_decode_kernel=True with "
+                           "vae_decode_max_memory or vae_decode_tile_rows (exact tiles).")
+
+    def check_vae_options(self) -> None:
+        """ValueError naming the first bad decoder option (also run by the decode stage: FastVideo may set fields
+        after construction, e.g. from a pipeline-config JSON)."""
         if not isinstance(self.vae_decode_kernel, bool):
             raise ValueError(f"vae_decode_kernel must be a bool; got {self.vae_decode_kernel!r}")
-        if (isinstance(self.vae_frames_per_pass, bool) or not isinstance(self.vae_frames_per_pass, int)
-                or self.vae_frames_per_pass < 1):
+        if not _is_int(self.vae_frames_per_pass) or self.vae_frames_per_pass < 1:
             raise ValueError(f"vae_frames_per_pass must be an int >= 1; got {self.vae_frames_per_pass!r}")
+        tile_rows, budget = self.vae_decode_tile_rows, self.vae_decode_max_memory
+        if tile_rows is not None and (not _is_int(tile_rows) or tile_rows < 1):
+            raise ValueError(f"vae_decode_tile_rows must be an int >= 1 (latent rows per tile) or None; got "
+                             f"{tile_rows!r}")
+        if budget is not None:
+            from fastvideo_pan2_ext.vae_kernel.memory import parse_bytes
+
+            try:
+                parse_bytes(budget)
+            except ValueError as exc:
+                raise ValueError(f"vae_decode_max_memory: {exc}") from None
+        if tile_rows is not None and budget is not None:
+            raise ValueError("set vae_decode_tile_rows or vae_decode_max_memory, not both: the budget picks the tile")
+        if (tile_rows is not None or budget is not None) and not self.vae_decode_kernel:
+            raise ValueError("vae_decode_tile_rows / vae_decode_max_memory tile the fast decoder: set "
+                             "vae_decode_kernel=True (FastVideo's own Wan VAE decode has no exact tiling)")
+        if not getattr(self.vae_config, "use_feature_cache", True):
+            raise ValueError("vae_config.use_feature_cache=False is not supported for PAN2: FastVideo 0.2.1's tiled "
+                             "Wan VAE paths do not patchify/unpatchify a Wan2.2 VAE (wrong video or a crash). For "
+                             "bounded decode memory use vae_decode_kernel=True with vae_decode_max_memory.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# PAN2's own fields (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides.
+PAN2_FIELDS = ("vae_decode_kernel", "vae_frames_per_pass", "vae_decode_tile_rows", "vae_decode_max_memory")
+
+
+def check_videos_per_request(num_videos_per_prompt) -> None:
+    """FastVideo 0.2.1's denoising stage asserts batch size 1: say so before any work starts."""
+    if num_videos_per_prompt != 1:
+        raise ValueError(f"PAN2 makes one video per request in FastVideo 0.2.1 (its denoising stage takes batch "
+                         f"size 1); got num_videos_per_prompt={num_videos_per_prompt!r}: make one request per video "
+                         f"(with different seeds)")
 
 
 @dataclass

@@ -27,7 +27,8 @@ def _pan2_run_config(args, overrides: list[str] | None):
 
     from fastvideo_pan2_ext.attention import apply_fa4_policy
     from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
-    from fastvideo_pan2_ext.configs import PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig
+    from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
+                                                 check_videos_per_request)
     from fastvideo_pan2_ext.image import check_size, load_image
 
     raw: dict[str, Any] = ic._load_nested_config(args.config) if args.config else {"generator": {}}
@@ -49,10 +50,10 @@ def _pan2_run_config(args, overrides: list[str] | None):
     json_path = experimental.pop("pipeline_config", None) or pipeline["components"].pop("pipeline_config_path", None)
     if json_path is not None and not isinstance(json_path, str):
         raise ValueError(f"--pipeline pan2: pipeline_config must be a JSON file path; got {json_path!r}")
-    own_fields = ("vae_decode_kernel", "vae_frames_per_pass")
-    pan2_config = PAN2PipelineConfig(**{k: experimental.pop(k) for k in own_fields if k in experimental})
+    pan2_config = PAN2PipelineConfig(**{k: experimental.pop(k) for k in PAN2_FIELDS if k in experimental})
     if json_path:
         pan2_config.load_from_json(json_path)
+        pan2_config.check_vae_options()
     experimental["pipeline_config"] = pan2_config
 
     request = raw["request"]
@@ -60,6 +61,7 @@ def _pan2_run_config(args, overrides: list[str] | None):
     for key, value in PAN2_PRESET.defaults.items():
         sampling.setdefault(key, value)
     check_size(sampling["height"], sampling["width"])
+    check_videos_per_request(sampling.get("num_videos_per_prompt", 1))
     image_path = request.get("inputs", {}).get("image_path")
     if image_path is None:
         raise ValueError("--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE")

@@ -12,6 +12,7 @@
    from the config, so `FastVideoArgs` made with a PAN2 config get ``override_pipeline_cls_name="PAN2Pipeline"``, and
    their checkpoint is checked (`checkpoint.check_pan2_checkpoint`) in the process that makes them.
 6. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`).
+7. Lets the decoding stage write a PAN2 video as it decodes when the request only saves it (`stream_save`).
 
 If ``import fastvideo`` happens while `fastvideo_pan2_ext.configs` is itself being imported (a user imported the
 config first), the config class does not exist yet: registration is deferred and completed by that module.
@@ -62,9 +63,10 @@ def _register() -> None:
     _register_preset()
     _register_pipeline_class()
     _pan2_config_selects_pan2_pipeline()
-    from fastvideo_pan2_ext import cli
+    from fastvideo_pan2_ext import cli, stream_save
 
     cli.install()
+    stream_save.install()
     _registered = True
     logger.debug("fastvideo_pan2_ext registered with FastVideo")
 

@@ -6,22 +6,40 @@ as soon as its chunk arrives. Frames are quantised exactly as FastVideo's save s
 `x / 2 + 0.5` clamped to [0, 1], `* 255`, truncated to uint8, in fp32) and written through imageio's ffmpeg writer
 with `imageio.mimsave(path, frames, fps=fps, format="mp4")`'s defaults, so the file is byte-identical to that
 non-streamed save of the same frames. One file holds one video: a chunk of a second batch sample is an error here;
-`write_videos_stream(chunks, paths, fps)` writes one file per sample (samples arrive one after another).
+`write_videos_stream(chunks, paths, fps)` writes one file per sample (samples arrive one after another), and
+`write_grid_stream(per_sample_chunks, path, fps)` writes a batch into one file laid out exactly as FastVideo's save
+lays one out (the samples side by side, `torchvision.utils.make_grid(..., nrow=6)`), reading the samples in lockstep.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 
+def _to_uint8(chunk: torch.Tensor) -> torch.Tensor:
+    """[..., 3, t, H, W] in [-1, 1] -> uint8, as FastVideo quantises a decoded video (its decode stage's
+    `x / 2 + 0.5` clamped, then its save step's `(x * 255).clamp(0, 255)`, in fp32)."""
+    unit = (chunk.float() / 2 + 0.5).clamp(0, 1)
+    return (unit * 255).clamp_(0, 255).to(torch.uint8)
+
+
 def to_uint8_frames(chunk: torch.Tensor) -> np.ndarray:
     """[1, 3, t, H, W] in [-1, 1] -> [t, H, W, 3] uint8, as FastVideo quantises a decoded video."""
-    unit = (chunk[0].float() / 2 + 0.5).clamp(0, 1)
-    return (unit * 255).clamp_(0, 255).to(torch.uint8).permute(1, 2, 3, 0).contiguous().numpy()
+    return _to_uint8(chunk[0]).permute(1, 2, 3, 0).contiguous().numpy()
+
+
+def grid_frames(chunks: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each sample's [1, 3, t, H, W] chunk of the same frames -> t [H', W', 3] uint8 frames, the samples side by
+    side exactly as FastVideo's save step lays out a batch (`make_grid(..., nrow=6)`; one sample: its own frame)."""
+    from torchvision.utils import make_grid  # FastVideo's own dependency; only needed here
+
+    u8 = _to_uint8(torch.cat(list(chunks)))  # [B, 3, t, H, W]
+    return [make_grid(u8[:, :, i], nrow=6).permute(1, 2, 0).contiguous().numpy() for i in range(u8.shape[2])]
 
 
 def _items(chunks):
@@ -56,13 +74,14 @@ class _Mp4:
         self.writer = imageio.get_writer(self.path, fps=fps, format="mp4")
         self.frames = 0
 
-    def append(self, frame: int, chunk: torch.Tensor) -> None:
+    def append(self, frame: int, images) -> None:
+        """Append `images` ([H, W, 3] uint8 each), which must start at video frame `frame`."""
         if frame != self.frames:
             raise ValueError(f"chunks must come in frame order: {self.path} has {self.frames} frames, the next chunk "
                              f"starts at frame {frame}")
-        for image in to_uint8_frames(chunk):
+        for image in images:
             self.writer.append_data(image)
-        self.frames += chunk.shape[2]
+            self.frames += 1
 
     def close(self) -> None:
         self.writer.close()
@@ -85,7 +104,7 @@ def write_video_stream(chunks: Iterable, path, fps: float) -> int:
                                  f"(batch > 1): use write_videos_stream(chunks, paths, fps) for one file per sample")
             if mp4 is None:
                 mp4 = _Mp4(path, fps)
-            mp4.append(frame, chunk)
+            mp4.append(frame, to_uint8_frames(chunk))
     finally:
         if mp4 is not None:
             mp4.close()
@@ -112,9 +131,59 @@ def write_videos_stream(chunks: Iterable, paths, fps: float) -> list[int]:
                     mp4.close()
                 mp4 = _Mp4(paths[sample], fps)
                 written.append(0)
-            mp4.append(frame, chunk)
+            mp4.append(frame, to_uint8_frames(chunk))
             written[-1] = mp4.frames
     finally:
         if mp4 is not None:
             mp4.close()
     return written
+
+
+def write_grid_stream(per_sample_chunks: Sequence[Iterable], path, fps: float) -> int:
+    """A batch into one mp4, laid out as FastVideo saves a batch (`grid_frames`): `per_sample_chunks[b]` yields
+    sample b's chunks (e.g. `decode_iter(latents[b:b + 1])`), read in lockstep, so each step's frames are written as
+    soon as every sample has them. One sample gives the same file as `write_video_stream`. Returns frames written."""
+    _check_fps(fps)
+    if not isinstance(per_sample_chunks, Sequence) or isinstance(per_sample_chunks, (str, bytes)) \
+            or len(per_sample_chunks) == 0:
+        raise ValueError(f"per_sample_chunks must be a non-empty list with one chunk iterable per sample, such as "
+                         f"[decoder.decode_iter(latents[b:b + 1]) for b in range(B)]; got "
+                         f"{type(per_sample_chunks).__name__}")
+    streams = [_items(chunks) for chunks in per_sample_chunks]
+    mp4 = None
+    try:
+        for step in itertools.zip_longest(*streams):
+            if any(item is None for item in step):
+                done = [b for b, item in enumerate(step) if item is None]
+                raise ValueError(f"samples {done} ran out of chunks before the others: every sample of a batch has "
+                                 f"the same frames")
+            if any(sample != 0 for sample, _, _ in step):
+                raise ValueError("each entry of per_sample_chunks must hold one sample (decode_iter(latents[b:b + 1]))")
+            starts = {frame for _, frame, _ in step}
+            shapes = {tuple(chunk.shape) for _, _, chunk in step}
+            if len(starts) != 1 or len(shapes) != 1:
+                raise ValueError(f"the samples' chunks disagree: start frames {sorted(starts)}, shapes "
+                                 f"{sorted(shapes)}; lockstep chunks must cover the same frames at the same size")
+            if mp4 is None:
+                mp4 = _Mp4(path, fps)
+            mp4.append(starts.pop(), grid_frames([chunk for _, _, chunk in step]))
+    finally:
+        if mp4 is not None:
+            mp4.close()
+    if mp4 is None:
+        raise ValueError("no chunks to write (on a decode group, only rank 0 receives frames)")
+    return mp4.frames
+
+
+def mp4_size(path) -> tuple[int, int, int]:
+    """(height, width, frames) as stored in a video file (imageio's writer pads frames to multiples of 16 pixels;
+    PAN2's sizes are multiples of 32, so for a PAN2 video this is the decoded size FastVideo reports)."""
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(path))
+    try:
+        width, height = next(reader)["size"]
+    finally:
+        reader.close()
+    frames, _ = imageio_ffmpeg.count_frames_and_secs(str(path))
+    return height, width, frames

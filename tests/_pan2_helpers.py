@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,21 @@ def video_frames_and_size(path: Path) -> tuple[int, tuple[int, int]]:
     meta = next(reader)
     frames = sum(1 for _ in reader)
     return frames, tuple(meta["size"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def forward_batch(args, model_path, **overrides):
+    """A FastVideo `ForwardBatch` as `VideoGenerator` makes one, from the checkpoint's sampling defaults."""
+    from fastvideo.api.sampling_param import SamplingParam
+    from fastvideo.pipelines import ForwardBatch
+    from fastvideo.utils import shallow_asdict
+
+    sp = SamplingParam.from_pretrained(str(model_path))
+    for key, value in overrides.items():
+        setattr(sp, key, value)
+    return ForwardBatch(**shallow_asdict(sp), eta=0.0, n_tokens=None, VSA_sparsity=args.VSA_sparsity)

@@ -26,3 +26,25 @@ def tiny_ckpt(tmp_path_factory):
     from _pan2_helpers import tiny_checkpoint
 
     return tiny_checkpoint(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def pan2(tiny_ckpt):
+    """(pipeline, fastvideo_args) for the tiny checkpoint, built in this process the way a FastVideo worker builds
+    it (FastVideo's own `build_pipeline`), once per test module."""
+    import os
+
+    from _pan2_helpers import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    from fastvideo.fastvideo_args import FastVideoArgs
+    from fastvideo.pipelines import build_pipeline
+
+    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), num_gpus=1, workload_type="i2v")
+    pipeline = build_pipeline(args)
+    pipeline.post_init()  # what the first forward does: creates the stages
+    yield pipeline, args
+    from fastvideo.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()

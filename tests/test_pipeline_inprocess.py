@@ -1,7 +1,7 @@
 """PAN2 inside real FastVideo 0.2.1, in this process: the pipeline built by FastVideo's own `build_pipeline` from the
 tiny checkpoint, its two PAN2 stages, the CLI's `--pipeline` flag and the FA4 warning.
 
-FastVideo is imported once for the whole module (it takes ~30 s); the pipeline is built once.
+FastVideo is imported once for the whole module (it takes ~30 s); the pipeline (conftest's `pan2`) is built once.
 """
 
 from __future__ import annotations
@@ -9,49 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 
 import pytest
 import torch
-from _pan2_helpers import (decompression_bomb_png, exif_rotated_jpeg, fake_flash_attn, make_signoff_images,
-                           truncated_png)
+from _pan2_helpers import (decompression_bomb_png, exif_rotated_jpeg, fake_flash_attn, forward_batch,
+                           make_signoff_images, truncated_png)
 
 from fastvideo_pan2_ext import reference
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def pan2(tiny_ckpt):
-    """(pipeline, fastvideo_args) for the tiny checkpoint, built the way a FastVideo worker builds it."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    from fastvideo.fastvideo_args import FastVideoArgs
-    from fastvideo.pipelines import build_pipeline
-
-    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), num_gpus=1, workload_type="i2v")
-    pipeline = build_pipeline(args)
-    pipeline.post_init()  # what the first forward does: creates the stages
-    yield pipeline, args
-    from fastvideo.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
-
-
-def _batch(args, model_path, **overrides):
-    from fastvideo.api.sampling_param import SamplingParam
-    from fastvideo.pipelines import ForwardBatch
-    from fastvideo.utils import shallow_asdict
-
-    sp = SamplingParam.from_pretrained(str(model_path))
-    for key, value in overrides.items():
-        setattr(sp, key, value)
-    return ForwardBatch(**shallow_asdict(sp), eta=0.0, n_tokens=None, VSA_sparsity=args.VSA_sparsity)
 
 
 def test_fastvideo_builds_pan2_pipeline_with_exactly_two_stages_replaced(pan2):
@@ -91,7 +56,7 @@ def test_first_frame_reaches_vae_encoder_bit_identical_to_reference(pan2, tiny_c
     vae.encode = recording_encode
     try:
         for path in images:
-            batch = _batch(args, tiny_ckpt, image_path=str(path), prompt="a cat", height=height, width=width,
+            batch = forward_batch(args, tiny_ckpt, image_path=str(path), prompt="a cat", height=height, width=width,
                            num_frames=1, num_inference_steps=1, guidance_scale=1.0, save_video=False)
             pipeline.forward(batch, args)
             assert len(seen) == 1, path.name
@@ -118,7 +83,7 @@ def latents():
 
 def _decode_through_stage(pipeline, args, latents, tiny_ckpt):
     stage = pipeline._stage_name_mapping["decoding_stage"]
-    batch = _batch(args, tiny_ckpt, prompt="x")
+    batch = forward_batch(args, tiny_ckpt, prompt="x")
     batch.latents = latents.clone()
     return stage(batch, args).output
 
@@ -203,6 +168,7 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
     run = _validated("--pipeline", "pan2", *_request(tiny_ckpt, image), "--request.sampling.height", "64",
                      "--request.sampling.seed", "7", "--generator.pipeline.experimental.vae_decode_kernel", "true",
                      "--generator.pipeline.experimental.vae_frames_per_pass", "2",
+                     "--generator.pipeline.experimental.vae_decode_max_memory", "8GiB",
                      "--generator.pipeline.experimental.flow_shift", "3.0")
     sampling = run.request.sampling
     assert (sampling.height, sampling.width, sampling.num_frames, sampling.fps, sampling.seed) == (64, 1248, 121, 24, 7)
@@ -210,6 +176,7 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
     config = fastvideo_args.pipeline_config
     assert type(config) is PAN2PipelineConfig
     assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.flow_shift) == (True, 2, 3.0)
+    assert (config.vae_decode_max_memory, config.vae_decode_tile_rows) == ("8GiB", None)
     assert fastvideo_args.override_pipeline_cls_name == "PAN2Pipeline"
 
 
@@ -268,6 +235,13 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
         "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_frames_per_pass", "0"],
                            r"vae_frames_per_pass must be an int >= 1; got 0"),
         "no image": (good[:4], r"--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE"),
+        "two videos per request": ([*good, "--request.sampling.num_videos_per_prompt", "2"],
+                                   r"PAN2 makes one video per request .* got num_videos_per_prompt=2"),
+        "tiles without the fast decoder": ([*good, "--generator.pipeline.experimental.vae_decode_tile_rows", "4"],
+                                           r"tile the fast decoder: set vae_decode_kernel=True"),
+        "bad memory budget": ([*good, "--generator.pipeline.experimental.vae_decode_kernel", "true",
+                               "--generator.pipeline.experimental.vae_decode_max_memory", "lots"],
+                              r"vae_decode_max_memory: max_memory must be bytes \(int\) or a string like '2GiB'"),
     }
 
 

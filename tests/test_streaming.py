@@ -11,7 +11,8 @@ import torch
 
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.video_io import to_uint8_frames, write_video_stream, write_videos_stream
+from fastvideo_pan2_ext.video_io import (grid_frames, mp4_size, to_uint8_frames, write_grid_stream, write_video_stream,
+                                         write_videos_stream)
 
 SHAPE = (2, 8, 3, 3, 3)  # batch 2, odd latent height: 48 x 48 px frames, 9 frames, two passes
 
@@ -83,6 +84,43 @@ def test_a_batch_into_one_file_is_a_clear_error(plain, tmp_path):
         write_video_stream(chunks, tmp_path / "x.mp4", fps=24)
     with pytest.raises(ValueError, match=r"must hold one sample .* got batch 2"):
         write_video_stream([torch.zeros(2, 3, 1, 16, 16)], tmp_path / "y.mp4", fps=24)
+
+
+def test_one_grid_file_for_a_batch_in_lockstep(plain, tmp_path):
+    """A batch as FastVideo saves one: each frame is torchvision's make_grid(nrow=6) of the samples' frames."""
+    from torchvision.utils import make_grid
+
+    z, decoder, expected = plain
+    per_sample = [decoder.decode_iter(z[b:b + 1]) for b in range(SHAPE[0])]
+    assert write_grid_stream(per_sample, tmp_path / "grid.mp4", fps=24) == 4 * SHAPE[2] - 3
+    u8 = (((expected.float() / 2 + 0.5).clamp(0, 1)) * 255).clamp_(0, 255).to(torch.uint8)
+    frames = [make_grid(u8[:, :, i], nrow=6).permute(1, 2, 0).contiguous().numpy() for i in range(u8.shape[2])]
+    assert frames[0].shape == (16 * SHAPE[3] + 4, 2 * 16 * SHAPE[4] + 6, 3)  # side by side, 2-pixel padding
+    imageio.mimsave(tmp_path / "whole.mp4", frames, fps=24, format="mp4")
+    assert (tmp_path / "grid.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+    # imageio's writer (FastVideo's too) pads frames to multiples of 16 pixels: 52x102 is stored as 64x112.
+    assert mp4_size(tmp_path / "grid.mp4") == (64, 112, 4 * SHAPE[2] - 3)
+
+
+def test_a_grid_of_one_sample_is_the_plain_video(plain, tmp_path):
+    z, decoder, expected = plain
+    assert np.array_equal(np.stack(grid_frames([expected[:1]])), to_uint8_frames(expected[:1]))
+    write_grid_stream([decoder.decode_iter(z[:1])], tmp_path / "grid.mp4", fps=24)
+    write_video_stream(decoder.decode_iter(z[:1]), tmp_path / "one.mp4", fps=24)
+    assert (tmp_path / "grid.mp4").read_bytes() == (tmp_path / "one.mp4").read_bytes()
+
+
+@pytest.mark.parametrize("per_sample, message", [
+    ([[torch.zeros(1, 3, 5, 16, 16)], [torch.zeros(1, 3, 5, 16, 16), torch.zeros(1, 3, 4, 16, 16)]],
+     r"samples \[0\] ran out of chunks before the others"),
+    ([[torch.zeros(1, 3, 5, 16, 16)], [torch.zeros(1, 3, 5, 16, 32)]], r"the samples' chunks disagree"),
+    ([[(1, 0, torch.zeros(1, 3, 1, 16, 16))]], r"must hold one sample \(decode_iter\(latents\[b:b \+ 1\]\)\)"),
+    (iter([[torch.zeros(1, 3, 1, 16, 16)]]), r"non-empty list with one chunk iterable per sample"),
+    ([], r"non-empty list with one chunk iterable per sample"),
+])
+def test_bad_grid_input_is_a_clear_error(tmp_path, per_sample, message):
+    with pytest.raises(ValueError, match=message):
+        write_grid_stream(per_sample, tmp_path / "g.mp4", fps=24)
 
 
 @pytest.mark.parametrize("chunks, message", [

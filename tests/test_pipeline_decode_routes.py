@@ -1,0 +1,225 @@
+"""The PAN2 decoding stage's routes, in the real FastVideo 0.2.1 pipeline built from the tiny checkpoint: the fast
+decoder plain, in exact tiles, under a memory budget and streamed to an mp4, for a batch of 2 at an odd latent size;
+and what FastVideo's own VAE switches (`vae_tiling`, `vae_config.use_feature_cache`) do to PAN2.
+
+The stage is called as FastVideo calls it (`stage(batch, args)`), with the batch fields FastVideo sets. FastVideo
+0.2.1's denoiser cannot produce a batch of 2 (it asserts batch size 1), so batches reach the stage here directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import imageio
+import pytest
+import torch
+from _pan2_helpers import forward_batch
+
+from fastvideo_pan2_ext.stream_save import STREAM_TO
+
+# Batch 2, odd latent height and width: 48 x 80 px frames, 9 frames (two decoder passes at frames_per_pass 2).
+LATENTS = torch.randn(2, 48, 3, 3, 5, generator=torch.Generator().manual_seed(5))
+VIDEO_SHAPE = (2, 3, 9, 48, 80)
+
+
+@contextlib.contextmanager
+def _config(args, **fields):
+    config = args.pipeline_config
+    saved = {name: getattr(config, name) for name in fields}
+    for name, value in fields.items():
+        setattr(config, name, value)
+    try:
+        yield config
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def _stage_output(pan2, tiny_ckpt, latents, stream_to=None, **fields):
+    pipeline, args = pan2
+    stage = pipeline._stage_name_mapping["decoding_stage"]
+    batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
+    batch.latents = latents.clone()
+    if stream_to is not None:
+        batch.extra[STREAM_TO] = str(stream_to)
+    with _config(args, vae_frames_per_pass=2, **fields):
+        return stage(batch, args).output
+
+
+def _fastvideo_save(output: torch.Tensor, path) -> None:
+    """FastVideo 0.2.1's save of a decoded [B, 3, F, H, W] video in [0, 1] (VideoGenerator._generate_single_video):
+    quantise, one `make_grid(nrow=6)` image per frame, `imageio.mimsave`."""
+    from torchvision.utils import make_grid
+
+    vid_u8 = (output * 255).clamp_(0, 255).to(torch.uint8).permute(2, 0, 1, 3, 4)  # t b c h w
+    frames = [make_grid(x, nrow=6).permute(1, 2, 0).squeeze(-1).contiguous().numpy() for x in vid_u8]
+    imageio.mimsave(path, frames, fps=24, format="mp4")
+
+
+@pytest.fixture(scope="module")
+def plain(pan2, tiny_ckpt):
+    """The fast decoder's untiled decode of LATENTS through the stage."""
+    return _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True)
+
+
+def _budget_that_tiles(pan2) -> int:
+    """A budget between one-row tiles' and the untiled decode's planned peak (so max_memory must tile)."""
+    decoder = pan2[0]._stage_name_mapping["decoding_stage"]._kernel_decoder
+    shape = LATENTS[:1].shape
+    return int(1.3 * (decoder.peak_bytes(shape, 1) + decoder.peak_bytes(shape)) / 2)
+
+
+def test_fast_decoder_decodes_each_sample_of_a_batch_as_alone(pan2, tiny_ckpt, plain):
+    assert plain.shape == VIDEO_SHAPE and plain.dtype == torch.float32
+    for b in range(2):
+        alone = _stage_output(pan2, tiny_ckpt, LATENTS[b:b + 1], vae_decode_kernel=True)
+        assert torch.equal(alone, plain[b:b + 1])
+
+
+@pytest.mark.parametrize("fields", [{"vae_decode_tile_rows": 1}, {"vae_decode_tile_rows": 2}, "budget"],
+                         ids=["tile_rows=1", "tile_rows=2", "max_memory"])
+def test_tiled_and_budgeted_decodes_are_the_untiled_decode(pan2, tiny_ckpt, plain, fields):
+    if fields == "budget":
+        fields = {"vae_decode_max_memory": _budget_that_tiles(pan2)}
+    tiled = _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, **fields)
+    decoder = pan2[0]._stage_name_mapping["decoding_stage"]._kernel_decoder
+    assert decoder.plan_tile_rows(LATENTS.shape) in (1, 2)  # it really decoded in tiles
+    assert torch.equal(tiled, plain)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tile_rows", [None, 1, 2])
+def test_streamed_save_is_fastvideos_save_of_the_decoded_video(pan2, tiny_ckpt, plain, tmp_path, batch, tile_rows):
+    """The stage writes the mp4 as it decodes and hands on the video's shape without frames; the file is
+    byte-identical to what FastVideo's save writes for the non-streamed output (a batch as one grid video)."""
+    streamed = tmp_path / "streamed.mp4"
+    output = _stage_output(pan2, tiny_ckpt, LATENTS[:batch], stream_to=streamed, vae_decode_kernel=True,
+                           vae_decode_tile_rows=tile_rows)
+    assert output.shape == (batch, 3, 0, 48, 80)
+    _fastvideo_save(plain[:batch], tmp_path / "fastvideo.mp4")
+    assert streamed.read_bytes() == (tmp_path / "fastvideo.mp4").read_bytes()
+
+
+def test_a_budget_too_small_for_one_row_tiles_is_a_clear_error(pan2, tiny_ckpt, plain):
+    with pytest.raises(ValueError, match=r"max_memory 1\.0 MiB \(1048576 bytes\) is too small to decode latents "
+                       r"\[2, 48, 3, 3, 5\] even in one-row tiles: that needs at least"):
+        _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_max_memory="1MiB")
+
+
+def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_ckpt, plain, tmp_path):
+    """Streamed tiles advance together, so every tile's causal history is alive at once: at this small frame no
+    tile size streams within a budget that one-at-a-time tiles fit. The stage says so before writing anything."""
+    budget = _budget_that_tiles(pan2)
+    assert torch.equal(_stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_max_memory=budget),
+                       plain)
+    with pytest.raises(ValueError, match=r"is too small to decode latents \[1, 48, 3, 3, 5\] streamed "
+                       r"\(decode_iter\) in any tile size: that needs at least"):
+        _stage_output(pan2, tiny_ckpt, LATENTS, stream_to=tmp_path / "x.mp4", vae_decode_kernel=True,
+                      vae_decode_max_memory=budget)
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_options_set_after_the_config_was_made_are_checked_at_decode(pan2, tiny_ckpt):
+    with pytest.raises(ValueError, match=r"vae_decode_tile_rows must be an int >= 1 \(latent rows per tile\) or None; "
+                       r"got 0"):
+        _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_tile_rows=0)
+    with pytest.raises(ValueError, match=r"tile the fast decoder: set vae_decode_kernel=True"):
+        _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=False, vae_decode_tile_rows=2)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# FastVideo's own VAE switches, as they act on PAN2 (the non-kernel route and the first-frame encode)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_defaults_of_fastvideos_vae_switches_for_pan2(pan2):
+    _, args = pan2
+    config = args.pipeline_config
+    assert (config.vae_tiling, config.vae_sp, config.vae_precision, config.vae_decode_precision) == (
+        False, False, "fp32", "bf16")
+    vae = config.vae_config
+    assert (vae.use_feature_cache, vae.use_tiling, vae.use_temporal_tiling, vae.use_parallel_tiling) == (
+        True, False, False, False)
+    assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.vae_decode_tile_rows,
+            config.vae_decode_max_memory) == (False, 4, None, None)
+
+
+def test_vae_tiling_leaves_fastvideos_pan2_decode_unchanged_and_says_so(pan2, tiny_ckpt, caplog):
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    pipeline, _ = pan2
+    vae = pipeline.get_module("vae")
+    untiled = _stage_output(pan2, tiny_ckpt, LATENTS[:1], vae_decode_kernel=False)
+    try:
+        tiled = _stage_output(pan2, tiny_ckpt, LATENTS[:1], vae_decode_kernel=False, vae_tiling=True)
+        assert vae.use_tiling  # FastVideo's stage did turn tiling on ...
+    finally:
+        vae.disable_tiling()
+    assert torch.equal(tiled, untiled)  # ... and its feature-cache decode ignored it
+    with caplog.at_level(logging.WARNING, logger="fastvideo_pan2_ext.configs.pan2"):
+        PAN2PipelineConfig(vae_tiling=True)
+    assert any("vae_tiling=True changes nothing for PAN2" in r.getMessage() for r in caplog.records)
+
+
+def test_fastvideos_tiled_wan_vae_paths_break_wan22_so_pan2_refuses_them(pan2):
+    """Why `use_feature_cache=False` is refused: FastVideo 0.2.1's generic (tiled) Wan VAE paths skip Wan2.2's
+    patchify/unpatchify. If this test starts failing, FastVideo fixed it and the refusal can go."""
+    from fastvideo.configs.models.vaes import WanVAEConfig
+
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    pipeline, _ = pan2
+    vae = pipeline.get_module("vae")
+    vae.use_feature_cache = False
+    try:
+        with torch.no_grad():
+            decoded = vae.decode(LATENTS[:1])
+            with pytest.raises(RuntimeError, match="expected input.* to have 12 channels, but got 3"):
+                vae.encode(torch.zeros(1, 3, 1, 48, 80))
+    finally:
+        vae.use_feature_cache = True
+    assert decoded.shape[1] == 12  # patchified channels, not RGB
+    with pytest.raises(ValueError, match=r"vae_config.use_feature_cache=False is not supported for PAN2"):
+        PAN2PipelineConfig(vae_config=WanVAEConfig(use_feature_cache=False))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"vae_decode_kernel": True, "vae_decode_tile_rows": 0}, r"vae_decode_tile_rows must be an int >= 1"),
+    ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2.5}, r"vae_decode_tile_rows must be an int >= 1"),
+    ({"vae_decode_kernel": True, "vae_decode_tile_rows": True}, r"vae_decode_tile_rows must be an int >= 1"),
+    ({"vae_decode_kernel": True, "vae_decode_max_memory": "-3GiB"}, r"vae_decode_max_memory: max_memory must be"),
+    ({"vae_decode_kernel": True, "vae_decode_max_memory": 0}, r"vae_decode_max_memory: max_memory must be positive"),
+    ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2, "vae_decode_max_memory": "1GiB"}, r"not both"),
+    ({"vae_decode_max_memory": "1GiB"}, r"tile the fast decoder: set vae_decode_kernel=True"),
+    ({"vae_frames_per_pass": 0}, r"vae_frames_per_pass must be an int >= 1; got 0"),
+])
+def test_bad_decode_options_are_clear_errors(pan2, fields, message):
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    with pytest.raises(ValueError, match=message):
+        PAN2PipelineConfig(**fields)
+
+
+def test_good_decode_options_are_kept(pan2):
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+
+    config = PAN2PipelineConfig(vae_decode_kernel=True, vae_decode_max_memory="12 GiB")
+    assert (config.vae_decode_max_memory, config.vae_decode_tile_rows) == ("12 GiB", None)
+    assert PAN2PipelineConfig(vae_decode_kernel=True, vae_decode_tile_rows=8).vae_decode_tile_rows == 8
+
+
+def test_more_than_one_video_per_request_is_refused_before_any_work(pan2, tiny_ckpt, tmp_path):
+    """`VideoGenerator._generate_single_video` (what every generate call reaches) refuses it for PAN2 before it
+    touches its executor: this generator has none."""
+    from fastvideo import VideoGenerator
+    from fastvideo.api.sampling_param import SamplingParam
+
+    _, args = pan2
+    generator = object.__new__(VideoGenerator)
+    generator.fastvideo_args = args
+    sampling = SamplingParam.from_pretrained(str(tiny_ckpt))
+    sampling.num_videos_per_prompt = 3
+    with pytest.raises(ValueError, match=r"PAN2 makes one video per request .* got num_videos_per_prompt=3"):
+        generator._generate_single_video("a cat", sampling, args, output_path=str(tmp_path / "x.mp4"))
+    assert not any(tmp_path.iterdir())
