@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     note = " (tiny, random weights: a noise-like video)" if args.checkpoint is None else ""
     print(f"checkpoint:    {checkpoint}{note}")
     print(f"first frame:   {args.image} (stored pixels; EXIF orientation is not applied)")
-    print(f"decoder:       {'WanVAEDecoder (fastvideo_pan2_ext)' if config.vae_decode_kernel else 'FastVideo'}")
+    decoder = "WanVAEDecoder (fastvideo_pan2_ext), the mp4 written while decoding" if config.vae_decode_kernel else (
+        "FastVideo")
+    print(f"decoder:       {decoder}")
     print("time per stage:")
     for name, seconds in timings:
         print(f"  {name:40s} {seconds:8.2f} s")

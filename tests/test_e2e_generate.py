@@ -1,6 +1,7 @@
 """End to end on CPU with real FastVideo 0.2.1 and its spawned worker: the tiny PAN2 checkpoint and an EXIF-rotated
 first frame in, an mp4 out, through both decode routes (the stock CLI with FastVideo's decode; the demo, i.e. the
-Python API, with `vae_decode_kernel=True`). ~1 min each on 2 busy cores (two FastVideo imports: parent and worker)."""
+Python API, with `vae_decode_kernel=True`, whose save is streamed), and the streamed save against FastVideo's own.
+~1 min each on 2 busy cores (two FastVideo imports: parent and worker)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import textwrap
 
 from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, exif_rotated_jpeg,
-                           fake_flash_attn, run, video_frames_and_size)
+                           fake_flash_attn, last_json_line, run, video_frames_and_size)
 
 
 def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckpt, tmp_path):
@@ -60,9 +61,57 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tin
     report = proc.stdout[proc.stdout.index("video:"):]
     assert f"video:         {video}  ({E2E_FRAMES} frames, {E2E_WIDTH}x{E2E_HEIGHT}, 24 fps)" in report
     for stage in ("start workers, load models", "input_validation_stage", "denoising_stage", "decoding_stage",
-                  "VideoSaveStage", "total"):
+                  "total"):
         assert stage in report, stage
-    assert "PAN2 decode: WanVAEDecoder (backend torch, frames_per_pass 2) on cpu" in log
+    assert "decoder:       WanVAEDecoder (fastvideo_pan2_ext), the mp4 written while decoding" in report
+    assert "PAN2 decode: WanVAEDecoder (backend torch, frames_per_pass 2, tile_rows None, max_memory None) on cpu" in log
+    assert f"PAN2 decode: wrote {E2E_FRAMES} frames to {video} while decoding" in log
     # Decided in the parent before the worker started; the worker had it before it loaded any model.
     assert ("PAN2 attention policy: FASTVIDEO_FA4=1 (inherited or left as is); "
             "FastVideo modules that read it already loaded: none") in log
+
+
+STREAM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from fastvideo import VideoGenerator
+    from fastvideo_pan2_ext import PAN2PipelineConfig
+
+    if __name__ == "__main__":
+        checkpoint, image, out, height, width, frames = sys.argv[1:]
+        generator = VideoGenerator.from_pretrained(checkpoint, num_gpus=1,
+                                                   pipeline_config=PAN2PipelineConfig(vae_decode_kernel=True))
+        results = {}
+        try:
+            # Same request twice: returning frames makes FastVideo save the video itself; saving only streams it.
+            for name, return_frames in (("fastvideo", True), ("streamed", False)):
+                result = generator.generate_video(
+                    prompt="a cat", image_path=image, height=int(height), width=int(width), num_frames=int(frames),
+                    num_inference_steps=2, guidance_scale=1.0, seed=3, output_path=f"{out}/{name}.mp4",
+                    save_video=True, return_frames=return_frames)
+                results[name] = {"video_path": result["video_path"], "size": list(result["size"]),
+                                 "frames": None if result["frames"] is None else len(result["frames"])}
+        finally:
+            generator.shutdown()
+        print(json.dumps(results))
+""")
+
+
+def test_streamed_save_through_the_python_api_is_fastvideos_save(tiny_ckpt, tmp_path):
+    """One generator, the same seeded request twice: FastVideo's save (frames returned) and the streamed save
+    (video only saved) write byte-identical files and report the same size; only the second streams."""
+    script = tmp_path / "stream.py"
+    script.write_text(STREAM_SCRIPT)
+    image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
+    proc = run([sys.executable, str(script), str(tiny_ckpt), str(image), str(tmp_path), str(E2E_HEIGHT),
+                str(E2E_WIDTH), str(E2E_FRAMES)], env_extra=OFFLINE, cwd=tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    results = last_json_line(proc.stdout)
+    fastvideo, streamed = tmp_path / "fastvideo.mp4", tmp_path / "streamed.mp4"
+    assert results["fastvideo"] == {"video_path": str(fastvideo), "size": [E2E_HEIGHT, E2E_WIDTH, E2E_FRAMES],
+                                    "frames": E2E_FRAMES}
+    assert results["streamed"] == {"video_path": str(streamed), "size": [E2E_HEIGHT, E2E_WIDTH, E2E_FRAMES],
+                                   "frames": None}
+    assert streamed.read_bytes() == fastvideo.read_bytes()
+    assert f"wrote {E2E_FRAMES} frames to {streamed} while decoding" in log
+    assert f"to {fastvideo} while decoding" not in log
