@@ -41,7 +41,7 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
         (bytes, or a string such as "8GiB").
 
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
-    (measured; `tests/test_vae_switches.py`):
+    (measured; `tests/test_pipeline_decode_routes.py`):
     - `vae_tiling` (default False) and `vae_sp` (default False): the decode stage calls the VAE's `enable_tiling()`,
       which FastVideo's Wan VAE ignores while `vae_config.use_feature_cache` is True: same video, same memory. Setting
       `vae_tiling=True` logs a warning saying so.

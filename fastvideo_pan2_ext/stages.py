@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,11 @@ class PAN2DecodingStage(DecodingStage):
         batch, _, _, height, width = decoder.output_shape(latents)
         if not dist.is_initialized() or dist.get_rank() == 0:  # one writer; FastVideo returns rank 0's result
             start = time.perf_counter()
-            frames = write_grid_stream([decoder.decode_iter(latents[b:b + 1]) for b in range(batch)], path, fps)
+            try:
+                frames = write_grid_stream([decoder.decode_iter(latents[b:b + 1]) for b in range(batch)], path, fps)
+            except BaseException:
+                Path(path).unlink(missing_ok=True)  # a cut-off video is a wrong video
+                raise
             logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, path,
                         time.perf_counter() - start)
         return torch.empty((batch, 3, 0, height, width))

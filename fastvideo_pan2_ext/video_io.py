@@ -92,25 +92,36 @@ def _check_fps(fps) -> None:
         raise ValueError(f"fps must be a positive number; got {fps!r}")
 
 
-def write_video_stream(chunks: Iterable, path, fps: float) -> int:
-    """Write one video's chunks to `path` as they come; returns the number of frames written. A chunk of sample 1
-    or later (batch > 1) raises ValueError: use `write_videos_stream` for one file per sample."""
-    _check_fps(fps)
+def _write_one(path, fps: float, frames) -> int:
+    """Write `frames` ((first frame, [H, W, 3] uint8 images) pairs, in order) to one mp4, opened at the first pair.
+    Returns the number of frames written."""
     mp4 = None
     try:
-        for sample, frame, chunk in _items(chunks):
-            if sample != 0:
-                raise ValueError(f"write_video_stream writes one video, but the chunks hold sample {sample} "
-                                 f"(batch > 1): use write_videos_stream(chunks, paths, fps) for one file per sample")
+        for frame, images in frames:
             if mp4 is None:
                 mp4 = _Mp4(path, fps)
-            mp4.append(frame, to_uint8_frames(chunk))
+            mp4.append(frame, images)
     finally:
         if mp4 is not None:
             mp4.close()
     if mp4 is None:
         raise ValueError("no chunks to write (on a decode group, only rank 0 receives frames)")
     return mp4.frames
+
+
+def write_video_stream(chunks: Iterable, path, fps: float) -> int:
+    """Write one video's chunks to `path` as they come; returns the number of frames written. A chunk of sample 1
+    or later (batch > 1) raises ValueError: use `write_videos_stream` for one file per sample."""
+    _check_fps(fps)
+
+    def frames():
+        for sample, frame, chunk in _items(chunks):
+            if sample != 0:
+                raise ValueError(f"write_video_stream writes one video, but the chunks hold sample {sample} "
+                                 f"(batch > 1): use write_videos_stream(chunks, paths, fps) for one file per sample")
+            yield frame, to_uint8_frames(chunk)
+
+    return _write_one(path, fps, frames())
 
 
 def write_videos_stream(chunks: Iterable, paths, fps: float) -> list[int]:
@@ -150,8 +161,8 @@ def write_grid_stream(per_sample_chunks: Sequence[Iterable], path, fps: float) -
                          f"[decoder.decode_iter(latents[b:b + 1]) for b in range(B)]; got "
                          f"{type(per_sample_chunks).__name__}")
     streams = [_items(chunks) for chunks in per_sample_chunks]
-    mp4 = None
-    try:
+
+    def frames():
         for step in itertools.zip_longest(*streams):
             if any(item is None for item in step):
                 done = [b for b, item in enumerate(step) if item is None]
@@ -164,15 +175,9 @@ def write_grid_stream(per_sample_chunks: Sequence[Iterable], path, fps: float) -
             if len(starts) != 1 or len(shapes) != 1:
                 raise ValueError(f"the samples' chunks disagree: start frames {sorted(starts)}, shapes "
                                  f"{sorted(shapes)}; lockstep chunks must cover the same frames at the same size")
-            if mp4 is None:
-                mp4 = _Mp4(path, fps)
-            mp4.append(starts.pop(), grid_frames([chunk for _, _, chunk in step]))
-    finally:
-        if mp4 is not None:
-            mp4.close()
-    if mp4 is None:
-        raise ValueError("no chunks to write (on a decode group, only rank 0 receives frames)")
-    return mp4.frames
+            yield starts.pop(), grid_frames([chunk for _, _, chunk in step])
+
+    return _write_one(path, fps, frames())
 
 
 def mp4_size(path) -> tuple[int, int, int]:
