@@ -147,15 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         video.unlink()
     t = time.perf_counter()
     try:
-        result = generator.generate_video(prompt=args.prompt, image_path=str(args.image), height=args.height,
-                                          width=args.width, num_frames=args.frames, num_inference_steps=args.steps,
-                                          guidance_scale=args.guidance_scale, seed=args.seed, output_path=str(video),
-                                          save_video=True, return_frames=False)
+        result = generator.generate({
+            "prompt": args.prompt,
+            "inputs": {"image_path": str(args.image)},
+            "sampling": {"height": args.height, "width": args.width, "num_frames": args.frames, "seed": args.seed,
+                         "num_inference_steps": args.steps, "guidance_scale": args.guidance_scale},
+            "output": {"output_path": str(video), "save_video": True, "return_frames": False},
+        })
     finally:
         generator.shutdown()
     generate_time = time.perf_counter() - t
-    logging_info = result.get("logging_info") if isinstance(result, dict) else None
-    stages = logging_info.stages if logging_info is not None else {}
+    stages = result.logging_info.stages if result.logging_info is not None else {}
     for name, info in stages.items():
         if "execution_time" in info:
             timings.append((f"  {name}", info["execution_time"]))
