@@ -223,3 +223,27 @@ def test_more_than_one_video_per_request_is_refused_before_any_work(pan2, tiny_c
     with pytest.raises(ValueError, match=r"PAN2 makes one video per request .* got num_videos_per_prompt=3"):
         generator._generate_single_video("a cat", sampling, args, output_path=str(tmp_path / "x.mp4"))
     assert not any(tmp_path.iterdir())
+
+
+def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_stream(pan2, tiny_ckpt):
+    from fastvideo.api.sampling_param import SamplingParam
+
+    from fastvideo_pan2_ext.stream_save import streams
+
+    _, args = pan2
+    sampling = SamplingParam.from_pretrained(str(tiny_ckpt))
+    sampling.save_video, sampling.return_frames = True, False
+    with _config(args, vae_decode_kernel=True):
+        assert streams(args, sampling)
+        for field, value in (("save_video", False), ("return_frames", True)):
+            setattr(sampling, field, value)
+            assert not streams(args, sampling), field
+            sampling.save_video, sampling.return_frames = True, False
+        for field, value in (("output_type", "latent"), ("distributed_executor_backend", "ray")):
+            saved = getattr(args, field)
+            setattr(args, field, value)
+            try:
+                assert not streams(args, sampling), field
+            finally:
+                setattr(args, field, saved)
+    assert not streams(args, sampling)  # vae_decode_kernel=False: FastVideo's decode and save
