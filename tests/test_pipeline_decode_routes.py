@@ -247,3 +247,27 @@ def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_st
             finally:
                 setattr(args, field, saved)
     assert not streams(args, sampling)  # vae_decode_kernel=False: FastVideo's decode and save
+
+
+def test_a_streamed_save_cut_off_midway_leaves_no_file(pan2, tmp_path):
+    """A decode that stops after its first chunk (here: Ctrl-C in the middle) must not leave a short video behind."""
+    from fastvideo_pan2_ext.stages import PAN2DecodingStage
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+    decoder = WanVAEDecoder(pan2[0].get_module("vae"), device="cpu", local=True, frames_per_pass=1)
+
+    class CutOff:
+        output_shape = staticmethod(decoder.output_shape)
+
+        @staticmethod
+        def decode_iter(latents):
+            chunks = decoder.decode_iter(latents)
+            yield next(chunks)
+            raise KeyboardInterrupt
+
+    path = tmp_path / "cut.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        PAN2DecodingStage._decode_to_file(CutOff, LATENTS[:1], str(path), 24)
+    assert not path.exists()
+    assert PAN2DecodingStage._decode_to_file(decoder, LATENTS[:1], str(path), 24).shape == (1, 3, 0, 48, 80)
+    assert path.stat().st_size > 0
