@@ -138,6 +138,10 @@ def _release_free_heap() -> None:
         pass
 
 
+def _time_and_memory(stats: dict) -> str:
+    return f"{stats['median_s']:.3f} s, memory {({k: round(v, 4) for k, v in stats.items() if 'gib' in k})}"
+
+
 def measure(fn, device: torch.device, repeats: int, warmup: int) -> tuple[torch.Tensor, dict]:
     """Run fn() warmup + repeats times; returns the last output and {times_s, median_s, memory}."""
     out = None
@@ -291,7 +295,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
                        "latent_frames": t, "video_frames": video_frames, **stats}
                 if release is not None:
                     row["speedup_vs_release"] = rows[_index(rows, t)]["median_s"] / stats["median_s"]
-                log(f"    {row['median_s']:.3f} s, memory {({k: round(v, 4) for k, v in stats.items() if 'gib' in k})}")
+                log(f"    {_time_and_memory(stats)}")
                 if ref32 is not None:
                     row["audit"] = audit(video, ref32, release)
                     log(f"    {row['speedup_vs_release']:.2f}x release; audit {row['audit']}")
@@ -308,7 +312,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
                 rows.append({"line": f"WanVAEDecoder {decoder.backend}, decode_iter (chunks not kept)",
                              "backend": decoder.backend, "ranks": 1, "frames_per_pass": args.frames_per_pass,
                              "latent_frames": t, "video_frames": video_frames, **stats})
-                log(f"    {stats['median_s']:.3f} s, memory {({k: round(v, 4) for k, v in stats.items() if 'gib' in k})}")
+                log(f"    {_time_and_memory(stats)}")
         del release, ref32
     return {"workload": workload.name, "config": dataclasses.asdict(workload.config),
             "latent_hw": list(workload.latent_hw), "video_hw": [16 * s for s in workload.latent_hw],

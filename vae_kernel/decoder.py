@@ -116,6 +116,12 @@ def _tiles(height: int, tile_rows: int) -> list[tuple[int, int]]:
     return [(s, min(s + tile_rows, height)) for s in range(0, height, tile_rows)]
 
 
+def _video_frames(t0: int, t1: int) -> range:
+    """The video frames a pass over latent frames [t0, t1) makes: the first latent frame makes frame 0, every later
+    one four frames."""
+    return range(0, 1) if t0 == 0 else range(4 * t0 - 3, 4 * t1 - 3)
+
+
 class _Pass:
     """One pass of the decoder over `frames` latent frames of one sample's band of rows (or one tile)."""
 
@@ -345,7 +351,7 @@ class WanVAEDecoder:
             for t0, t1 in passes:
                 chunk = None
                 if stream or tile_rows is None:
-                    frames = 1 if t0 == 0 else 4 * (t1 - t0)
+                    frames = len(_video_frames(t0, t1))
                     chunk = torch.empty((1, 3, frames, 8 * p * height, 8 * p * width), dtype=torch.bfloat16,
                                         device=meta)
                 for (tile, rows), state in zip(plans, states):
@@ -504,27 +510,32 @@ class WanVAEDecoder:
         batch, _, t, height, width = latents.shape
         tiles = _tiles(height, tile_rows)
         passes = self._passes(t)
-        scale, p = 8 * self.config.patch_size, self.config.patch_size
-        whole_frame = LocalRows(height)
+        scale = 8 * self.config.patch_size
         progress = _progress(batch * len(passes), True)
         with torch.no_grad(), exact_fp32():
             for b in range(batch):
                 states = [_DecodeState(self.device) for _ in tiles]
                 for t0, t1 in passes:
-                    frames = 1 if t0 == 0 else 4 * (t1 - t0)
-                    chunk = torch.empty((1, 3, frames, scale * height, scale * width), dtype=torch.bfloat16,
+                    frames = _video_frames(t0, t1)
+                    chunk = torch.empty((1, 3, len(frames), scale * height, scale * width), dtype=torch.bfloat16,
                                         device=self.device)
                     for (start, stop), state in zip(tiles, states):
-                        tile = _Tile(start, stop, height, self.config)
-                        out = _Pass(self.ops, self.weights, self.config, whole_frame, state, t0 == 0, tile).run(
-                            latents[b, :, t0:t1])
-                        self.ops.unpatchify_clamp(out, chunk[..., scale * start:scale * stop, :], p)
-                        del out
+                        self._tile_pass(latents[b], t0, t1, (start, stop), state,
+                                        chunk[..., scale * start:scale * stop, :])
                     progress.update(1)
-                    yield b, 0 if t0 == 0 else 4 * t0 - 3, chunk
+                    yield b, frames.start, chunk
                     del chunk
                 del states
         progress.close()
+
+    def _tile_pass(self, z: torch.Tensor, t0: int, t1: int, rows: tuple[int, int], state: _DecodeState,
+                   dest: torch.Tensor) -> None:
+        """Decode latent frames [t0, t1) of one sample's z [C, T, h, w], keeping latent rows `rows`, into `dest`
+        (those rows of the pass's video frames); `state` is that tile's causal history."""
+        height = z.shape[2]
+        tile = _Tile(*rows, height, self.config)
+        out = _Pass(self.ops, self.weights, self.config, LocalRows(height), state, t0 == 0, tile).run(z[:, t0:t1])
+        self.ops.unpatchify_clamp(out, dest, self.config.patch_size)
 
     def _iter_checked(self, latents, rows) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         if isinstance(rows, RankRows) and not rows.active:
@@ -550,7 +561,7 @@ class WanVAEDecoder:
                     if parts is not None:
                         parts = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
                     progress.update(1)
-                    yield b, 0 if t0 == 0 else 4 * t0 - 3, parts
+                    yield b, _video_frames(t0, t1).start, parts
                     del parts
         progress.close()
 
@@ -577,21 +588,16 @@ class WanVAEDecoder:
         tiles = _tiles(height, tile_rows)
         passes = self._passes(t)
         video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
-        scale, p = 8 * self.config.patch_size, self.config.patch_size
-        whole_frame = LocalRows(height)
+        scale = 8 * self.config.patch_size
         progress = _progress(batch * len(tiles) * len(passes), True)
         with torch.no_grad(), exact_fp32():
             for b in range(batch):
                 for start, stop in tiles:
                     state = _DecodeState(self.device)
                     for t0, t1 in passes:
-                        tile = _Tile(start, stop, height, self.config)
-                        out = _Pass(self.ops, self.weights, self.config, whole_frame, state, t0 == 0, tile).run(
-                            latents[b, :, t0:t1])
-                        frame = 0 if t0 == 0 else 4 * t0 - 3
-                        self.ops.unpatchify_clamp(
-                            out, video[b:b + 1, :, frame:frame + out.shape[1], scale * start:scale * stop], p)
-                        del out
+                        frames = _video_frames(t0, t1)
+                        self._tile_pass(latents[b], t0, t1, (start, stop), state,
+                                        video[b:b + 1, :, frames.start:frames.stop, scale * start:scale * stop])
                         progress.update(1)
                     del state
         progress.close()
