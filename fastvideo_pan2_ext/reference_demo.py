@@ -25,16 +25,16 @@ import numpy as np
 import torch
 
 from fastvideo_pan2_ext import reference
+from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels
 DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU
 SPATIAL, TEMPORAL = 16, 4  # the VAE's compression
 
 
-def demo_config() -> reference.WanVAEConfig:
-    return reference.WanVAEConfig(z_dim=Z_DIM, decoder_base_dim=DECODER_BASE_DIM, dim_mult=(1, 2, 4, 4),
-                                  num_res_blocks=2, temperal_upsample=(True, True, False), out_channels=12,
-                                  patch_size=2)
+def demo_config() -> WanVAEConfig:
+    return WanVAEConfig(z_dim=Z_DIM, decoder_base_dim=DECODER_BASE_DIM, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                        temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
 
 
 def demo_state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -57,7 +57,7 @@ def demo_state_dict(seed: int) -> dict[str, torch.Tensor]:
             math.prod(shape[1:]))
 
     weights = {}
-    for name, shape in reference.expected_shapes(demo_config()).items():
+    for name, shape in expected_shapes(demo_config()).items():
         if name.endswith(".gamma"):
             weights[name] = 1.0 + 0.1 * randn(*shape)
         elif name.endswith(".bias"):

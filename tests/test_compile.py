@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import build, compiled
+from fastvideo_pan2_ext.vae_kernel import build, extension
 
 pytestmark = [
     pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine"),
@@ -26,8 +26,8 @@ pytestmark = [
 WARM_LOAD = """
 import json, sys, time
 start = time.monotonic()
-from fastvideo_pan2_ext.vae_kernel import compiled
-ext = compiled.build_extension(sys.argv[1], root=sys.argv[2])
+from fastvideo_pan2_ext.vae_kernel import extension
+ext = extension.build_extension(sys.argv[1], root=sys.argv[2])
 print(json.dumps({"arch": ext.arch(), "file": ext.__file__, "seconds": time.monotonic() - start}))
 """
 
@@ -44,21 +44,21 @@ def cache_root(tmp_path_factory):
 def test_extension_compiles_links_and_imports_without_a_gpu(arch, cache_root, monkeypatch):
     monkeypatch.setenv("MAX_JOBS", os.environ.get("MAX_JOBS", "1"))
     start = time.monotonic()
-    ext = compiled.build_extension(arch, root=cache_root)
+    ext = extension.build_extension(arch, root=cache_root)
     cold = time.monotonic() - start
     print(f"\n{arch}: cold build {cold:.0f} s")
     assert ext.arch() == arch  # for sm_100a: after the sm_90a module was imported into this process
-    entry = build.published_entry(compiled.extension_spec(arch), cache_root)
-    assert ext.__file__ == str(entry / f"{compiled.extension_name(arch)}.so")
+    entry = build.published_entry(extension.extension_spec(arch), cache_root)
+    assert ext.__file__ == str(entry / f"{extension.extension_name(arch)}.so")
     # Of this module's own code only the init function is exported, and no process-wide unique symbol: hidden
     # visibility keeps two builds loaded into one process apart.
     exported = subprocess.run(["nm", "-D", "--defined-only", ext.__file__], capture_output=True, text=True).stdout
     symbols = [line.split() for line in exported.splitlines() if len(line.split()) == 3]
-    assert [name for _, kind, name in symbols if "wan22" in name] == [f"PyInit_{compiled.extension_name(arch)}"]
+    assert [name for _, kind, name in symbols if "wan22" in name] == [f"PyInit_{extension.extension_name(arch)}"]
     assert not [name for _, kind, name in symbols if kind == "u" and not name.startswith("_ZZNSt")]  # std: same data
     manifest = json.loads((entry / build.MANIFEST).read_text())
     assert manifest["inputs"]["cuda_archs"] == [arch]
-    assert manifest["inputs"]["key_extras"]["cutlass"] == compiled.cutlass_version(compiled.cutlass_source_dir())
+    assert manifest["inputs"]["key_extras"]["cutlass"] == extension.cutlass_version(extension.cutlass_source_dir())
     # The binding validates before touching CUDA: a CPU tensor is refused with a message, not a crash.
     x = torch.zeros(1, 3, 3, 8, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
@@ -76,13 +76,13 @@ def test_extension_compiles_links_and_imports_without_a_gpu(arch, cache_root, mo
 
 
 def test_architectures_get_different_keys_and_unknown_ones_are_refused():
-    keys = {compiled.extension_spec(a).cuda_archs: build.extension_key(compiled.extension_spec(a))
+    keys = {extension.extension_spec(a).cuda_archs: build.extension_key(extension.extension_spec(a))
             for a in ("sm_90a", "sm_100a", "sm_103a")}
     assert len(set(keys.values())) == 3
     with pytest.raises(ValueError, match="sm_90a"):
-        compiled.extension_spec("sm_80")
+        extension.extension_spec("sm_80")
 
 
 def test_every_source_and_header_in_csrc_is_built_and_hashed():
-    files = {p.name for p in compiled.CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh")}
-    assert files == set(compiled.SOURCES) | set(compiled.HEADERS)
+    files = {p.name for p in extension.CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh")}
+    assert files == set(extension.SOURCES) | set(extension.HEADERS)

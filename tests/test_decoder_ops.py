@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WAN22_CONFIG, decoder_weights, weight_names
+from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes, infer_config
 from fastvideo_pan2_ext.vae_kernel.weights import prepare, subpixel_weights
 
 ops = TORCH_OPS
@@ -94,9 +95,9 @@ def test_unpatchify_clamp_matches_the_reference():
 
 
 def test_weight_names_are_the_reference_order_and_decoder_weights_follow_it(wan22_state_dict):
-    assert weight_names() == list(reference.expected_shapes(WAN22_CONFIG))
+    assert weight_names() == list(expected_shapes(WAN22_CONFIG))
     assert len(weight_names()) == len(set(weight_names()))
-    config = reference.infer_config(wan22_state_dict)
+    config = infer_config(wan22_state_dict)
     names, tensors = weight_names(config), decoder_weights(wan22_state_dict)
     assert len(names) == len(tensors)
     for name, tensor in zip(names, tensors):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fastvideo_pan2_ext.vae_kernel.decoder as decoder_module
+import fastvideo_pan2_ext.vae_kernel.network as network
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 
@@ -38,13 +38,13 @@ def test_enable_and_disable_tiling_switch_the_route(wan22_state_dict, plain):
 def test_tile_margins_are_what_makes_tiles_exact(wan22_state_dict, plain, monkeypatch):
     """One row less of margin at the last level and the zero rows at a tile's cut edge reach the video."""
     z, expected = plain
-    exact = decoder_module.tile_margins
+    exact = network.tile_margins
 
     def one_short(config):
         mid, margins = exact(config)
         return mid, [*margins[:-1], margins[-1] - 1]
 
-    monkeypatch.setattr(decoder_module, "tile_margins", one_short)
+    monkeypatch.setattr(network, "tile_margins", one_short)
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=4)
     assert not torch.equal(decoder.decode(z), expected)
 
@@ -52,7 +52,7 @@ def test_tile_margins_are_what_makes_tiles_exact(wan22_state_dict, plain, monkey
 def test_tile_margins_of_the_wan22_decoder():
     from fastvideo_pan2_ext.vae_kernel import WAN22_CONFIG
 
-    assert decoder_module.tile_margins(WAN22_CONFIG) == (15, [13, 12, 10, 7])
+    assert network.tile_margins(WAN22_CONFIG) == (15, [13, 12, 10, 7])
 
 
 @pytest.mark.parametrize("tile_rows", [0, -2, 1.5, True])

@@ -13,6 +13,7 @@ from PIL import Image
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext import reference_demo as demo
+from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes, infer_config
 
 
 def _read_mp4(path):
@@ -77,10 +78,10 @@ def test_demo_mp4_is_the_reference_decode_of_its_latents(demo_run):
 
 def test_demo_weights_are_a_complete_seeded_wan22_decoder():
     weights = demo.demo_state_dict(0)
-    inferred = reference.infer_config(weights)
-    assert reference.expected_shapes(inferred) == reference.expected_shapes(demo.demo_config())
+    inferred = infer_config(weights)
+    assert expected_shapes(inferred) == expected_shapes(demo.demo_config())
     assert (inferred.z_dim, inferred.decoder_base_dim, inferred.patch_size) == (48, 8, 2)
-    assert set(weights) == set(reference.expected_shapes(demo.demo_config()))
+    assert set(weights) == set(expected_shapes(demo.demo_config()))
     again, other = demo.demo_state_dict(0), demo.demo_state_dict(1)
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert not any(torch.equal(weights[k], other[k]) for k in weights)

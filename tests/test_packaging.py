@@ -12,15 +12,14 @@ from __future__ import annotations
 import configparser
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from _source_tree import REPO, copy_source_tree, source_files
 
-REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "fastvideo_pan2_ext"
 # Top-level folder of the design card -> where it is installed.
 ROOMS = {
@@ -33,13 +32,6 @@ MODULES = [NAMESPACE, f"{NAMESPACE}.reference", f"{NAMESPACE}.configs", f"{NAMES
            f"{NAMESPACE}.vae_kernel"]
 GENERIC_NAMES = ["attention", "configs", "reference", "vae_kernel"]
 PLUGIN_HOOK_PTH = "fastvideo_pan2_ext-plugins.pth"
-
-
-def _source_files() -> list[str]:
-    """The working tree as a fresh clone plus uncommitted work would hold it (git's view, ignored files left out)."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
-                         check=True, capture_output=True).stdout.decode()
-    return sorted(f for f in out.split("\0") if f and os.path.lexists(REPO / f))
 
 
 def _expected_wheel_files(sources: list[str]) -> set[str]:
@@ -56,14 +48,7 @@ def _expected_wheel_files(sources: list[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    tree = tmp_path_factory.mktemp("tree")
-    for source in _source_files():
-        destination = tree / source
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        if (REPO / source).is_symlink():
-            destination.symlink_to(os.readlink(REPO / source))
-        else:
-            shutil.copy2(REPO / source, destination)
+    tree = copy_source_tree(tmp_path_factory.mktemp("tree"))
     out = tmp_path_factory.mktemp("wheelhouse")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                     "--quiet", "--wheel-dir", str(out), str(tree)], check=True, cwd=tree, timeout=300)
@@ -100,11 +85,11 @@ print(json.dumps({{"files": files, "top_level": top_level}}))
 
 def test_wheel_holds_every_module_of_the_four_rooms_under_the_namespace(wheel):
     names = set(_wheel_names(wheel))
-    missing = _expected_wheel_files(_source_files()) - names
+    missing = _expected_wheel_files(source_files()) - names
     assert not missing, f"not in the wheel: {sorted(missing)}"
     for room in ("configs", "attention", "vae_kernel"):
         assert f"{NAMESPACE}/{room}/__init__.py" in names
-    csrc = [f for f in _source_files() if f.startswith("vae_kernel/csrc/")]
+    csrc = [f for f in source_files() if f.startswith("vae_kernel/csrc/")]
     assert all(f"{NAMESPACE}/{f}" in names for f in csrc)
 
 

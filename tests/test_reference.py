@@ -27,6 +27,7 @@ import torch
 
 from _vae_helpers import diffusers_decode, make_wan21_vae, random_latents, random_wan22_decoder_weights
 from fastvideo_pan2_ext import reference
+from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32
 
 Z_DIM = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -158,7 +159,7 @@ def test_decode_turns_tf32_off_for_its_run_and_restores_it(wan22_state_dict, res
 def test_tf32_flags_are_restored_when_the_decode_raises(restore_tf32_flags):
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     with pytest.raises(RuntimeError, match="boom"):
-        with reference.exact_fp32():
+        with exact_fp32():
             assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
             raise RuntimeError("boom")
     assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32

@@ -9,9 +9,9 @@ import sys
 from _pan2_helpers import run
 from safetensors.torch import load_file
 
-from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
 from fastvideo_pan2_ext.configs import PIPELINE_CLASS_NAME
+from fastvideo_pan2_ext.vae_kernel.architecture import infer_config
 from fastvideo_pan2_ext.tiny import PIPELINE_CLASS_NAME as TINY_CLASS_NAME
 
 
@@ -34,7 +34,7 @@ def test_tiny_vae_is_the_wan22_layout(tiny_ckpt):
     assert (config["is_residual"], config["patch_size"], config["z_dim"], config["in_channels"]) == (True, 2, 48, 12)
     assert len(config["latents_mean"]) == len(config["latents_std"]) == 48
     assert len(set(config["latents_std"])) > 1  # non-trivial de-normalization
-    decoder = reference.infer_config(load_file(tiny_ckpt / "vae" / "diffusion_pytorch_model.safetensors"))
+    decoder = infer_config(load_file(tiny_ckpt / "vae" / "diffusion_pytorch_model.safetensors"))
     assert (decoder.z_dim, decoder.patch_size, decoder.out_channels, sum(decoder.temperal_upsample)) == (48, 2, 12, 2)
 
 

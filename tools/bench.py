@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
 
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.reference import WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.compiled import random_weights  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
 
 ALLOWANCE = 3.0
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"

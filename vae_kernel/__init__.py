@@ -1,13 +1,29 @@
-"""The fast Wan2.2 VAE decoder (portable PyTorch path and compiled CUDA path). Importable without FastVideo.
+"""The fast Wan VAE decoder (portable PyTorch path and compiled CUDA path). Importable without FastVideo.
 
 `WanVAEDecoder(vae_or_state_dict, device, pg, frames_per_pass, local, backend, tile_rows, max_memory)
-.decode(latents)` / `.decode_iter(latents)` are the entry points (DESIGN.md §3); `peak_bytes(shape, tile_rows)` is a
-decode's peak working memory; `weight_names()` / `decoder_weights(state_dict)` give the prepared weights in the
-order a compiled kernel consumes them; `ops.Ops` is the op table compiled kernels plug into.
+.decode(latents)` / `.decode_iter(latents)` are the entry points (docs/design.md, "Public API"); `weight_names()` /
+`decoder_weights(state_dict)` give the prepared weights in the order a compiled kernel consumes them; `ops.Ops` is
+the op table compiled kernels plug into. The names below are imported on first use, so that the small modules of this
+package (`architecture`, `precision`, `allowance`) can be imported on their own, by the reference decoder too.
 """
 
-from .decoder import WanVAEDecoder
-from .ops import TORCH_OPS, Ops, select_ops
-from .weights import WAN22_CONFIG, decoder_weights, weight_names
+import importlib
 
-__all__ = ["WanVAEDecoder", "weight_names", "decoder_weights", "Ops", "TORCH_OPS", "select_ops", "WAN22_CONFIG"]
+_EXPORTS = {
+    "WanVAEDecoder": "decoder",
+    "Ops": "ops",
+    "TORCH_OPS": "ops",
+    "select_ops": "backends",
+    "WAN22_CONFIG": "architecture",
+    "WanVAEConfig": "architecture",
+    "weight_names": "weights",
+    "decoder_weights": "weights",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

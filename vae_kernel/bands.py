@@ -39,6 +39,11 @@ class LocalRows:
         self.is_root = True
 
     @property
+    def active(self) -> bool:
+        """Whether this rank holds rows (a frame shorter than the group leaves the last ranks idle)."""
+        return self.index < len(self.bands)
+
+    @property
     def rows(self) -> tuple[int, int]:
         return self.bands[self.index]
 
@@ -66,10 +71,6 @@ class RankRows(LocalRows):
         # gloo moves CPU tensors only; NCCL moves the decoder's CUDA tensors directly.
         backend = str(dist.get_backend(pg)).lower()
         self.comm_device = device if "nccl" in backend else torch.device("cpu")
-
-    @property
-    def active(self) -> bool:
-        return self.index < len(self.bands)
 
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self.pg, index)

@@ -7,14 +7,14 @@ The layout under the root (`$WAN22_VAE_DECODE_BUILD_DIR`, default `~/.cache/fast
     bad/                        entries that failed their manifest check, moved aside for inspection
     locks/<name>-<key>.lock     flock; only saves duplicate work
 
-The key hashes everything that changes the binary (sources and headers, flags, arch list, include-path versions,
-compiler versions, torch / CUDA / Python versions, this package's version). A build is published by one atomic
+The key hashes everything that changes the binary (sources and headers, flags, arch list, compiler versions, torch /
+CUDA / Python versions, and the spec's `key_extras`: for the decoder, the CUTLASS and package versions). A build is published by one atomic
 `os.rename` of a complete staging directory, so readers never see half an entry; the loser of a race discards its
 copy and uses the winner's. The lock is an `flock`, which the kernel drops when its holder dies (even by SIGKILL), and
 waiters give up on it after a timeout and build anyway: correctness never depends on it.
 
 The compiler runs in a child process (`python build.py <request.json>`), so this process only ever imports the
-published, verified binary. `load_extension` is generic over the extension; `compiled.py` passes the decoder's.
+published, verified binary. `load_extension` is generic over the extension; `extension.py` passes the decoder's.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 BUILD_DIR_ENV = "WAN22_VAE_DECODE_BUILD_DIR"
 MANIFEST = "manifest.json"
+BUILD_LOG = "build.log"
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
 
 
@@ -110,7 +111,7 @@ def cuda_home() -> str | None:
     return None
 
 
-def _tool_version(argv: Sequence[str]) -> str:
+def tool_version(argv: Sequence[str]) -> str:
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -127,15 +128,11 @@ def _sha256_file(path: Path) -> str:
 
 
 def key_inputs(spec: ExtensionSpec) -> dict:
-    """Everything that changes the binary, as a JSON-able dict (the key is its hash)."""
+    """Everything that changes the binary, as a JSON-able dict (the key is its hash). Include paths are left out:
+    what they hold is named by `key_extras` (e.g. the CUTLASS version) and the hashed `depends`, so one build serves
+    a checkout, its installed copy and a bare copy on a GPU machine alike."""
     import torch
 
-    try:
-        from importlib.metadata import version
-
-        package_version = version("fastvideo-pan2-ext")
-    except Exception:  # not installed (a source checkout): the sources are hashed anyway
-        package_version = "unknown"
     inputs = {
         "name": spec.name,
         "sources": {Path(s).name: _sha256_file(Path(s)) for s in spec.sources},
@@ -143,24 +140,25 @@ def key_inputs(spec: ExtensionSpec) -> dict:
         "extra_cflags": list(spec.extra_cflags),
         "extra_cuda_cflags": list(spec.extra_cuda_cflags),
         "extra_ldflags": list(spec.extra_ldflags),
-        "extra_include_paths": list(spec.extra_include_paths),
         "cuda_archs": list(spec.cuda_archs),
         "key_extras": dict(spec.key_extras),
-        "host_compiler": _tool_version([os.environ.get("CXX", "c++"), "--version"]),
+        "host_compiler": tool_version([os.environ.get("CXX", "c++"), "--version"]),
         "torch": torch.__version__,
         "torch_cuda": str(torch.version.cuda),
         "python": f"{sys.implementation.cache_tag}-{sys.platform}-{os.uname().machine}",
-        "package": package_version,
     }
     if spec.with_cuda:
         home = cuda_home()
-        inputs["nvcc"] = _tool_version([os.path.join(home, "bin", "nvcc"), "--version"]) if home else "missing"
+        inputs["nvcc"] = tool_version([os.path.join(home, "bin", "nvcc"), "--version"]) if home else "missing"
     return inputs
 
 
+def _key(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
 def extension_key(spec: ExtensionSpec) -> str:
-    blob = json.dumps(key_inputs(spec), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
+    return _key(key_inputs(spec))
 
 
 # --------------------------------------------------------------------------------------------------- entries
@@ -226,16 +224,18 @@ def _publish(root: Path, entry: Path, built: Path, spec: ExtensionSpec, key: str
     try:
         target = staging / _module_file(spec.name)
         shutil.copyfile(built, target)
+        shutil.copyfile(built.parent / BUILD_LOG, staging / BUILD_LOG)  # the compiler's report (ptxas -v, warnings)
+        files = (target, staging / BUILD_LOG)
         manifest = {
             "name": spec.name,
             "key": key,
-            "files": {target.name: {"sha256": _sha256_file(target), "size": target.stat().st_size}},
+            "files": {f.name: {"sha256": _sha256_file(f), "size": f.stat().st_size} for f in files},
             "build_seconds": round(seconds, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "inputs": inputs,
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        for path in (target, staging / MANIFEST):
+        for path in (*files, staging / MANIFEST):
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         try:
@@ -272,11 +272,11 @@ def _build_lock(root: Path, entry: Path, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # drops the lock if held
 
 
-def _build_in_child(spec: ExtensionSpec, build_dir: Path, verbose: bool) -> Path:
-    """Compile and link in a child process; returns the built module file."""
+def _build_in_child(spec: ExtensionSpec, build_dir: Path, timeout_s: float | None) -> Path:
+    """Compile and link in a child process (killed after `timeout_s`); returns the built module file. The compiler's
+    whole output is kept in the build directory's build.log."""
     request = dataclasses.asdict(spec)
     request["build_directory"] = str(build_dir)
-    request["verbose"] = verbose
     request_file = build_dir / "request.json"
     request_file.write_text(json.dumps(request))
     env = dict(os.environ)
@@ -289,14 +289,17 @@ def _build_in_child(spec: ExtensionSpec, build_dir: Path, verbose: bool) -> Path
         except (ValueError, OSError):
             mem_gb = 8.0
         env["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, int(mem_gb // 4))))
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(request_file)],
-                          env=env, capture_output=True, text=True, preexec_fn=_die_with_parent)
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(request_file)], env=env,
+                              capture_output=True, text=True, preexec_fn=_die_with_parent, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise BuildError(f"building extension {spec.name} did not finish in {timeout_s:.0f} s") from exc
     log = done.stdout + done.stderr
-    (build_dir / "build.log").write_text(log)
+    (build_dir / BUILD_LOG).write_text(log)
     built = build_dir / _module_file(spec.name)
     if done.returncode != 0 or not built.is_file():
         raise BuildError(f"building extension {spec.name} failed (exit {done.returncode}); "
-                         f"log in {build_dir / 'build.log'}; its end:\n{log[-6000:]}")
+                         f"log in {build_dir / BUILD_LOG}; its end:\n{log[-6000:]}")
     return built
 
 
@@ -323,11 +326,11 @@ def _writable(root: Path) -> bool:
 
 
 def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *, lock: bool = True,
-                   lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, verbose: bool = False):
+                   lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, timeout_s: float | None = None):
     """Import the extension described by `spec`, building and publishing it first if no good cached build exists."""
     root = Path(root) if root is not None else default_root()
     inputs = key_inputs(spec)
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+    key = _key(inputs)
     entry = root / "cache" / f"{spec.name}-{key}"
 
     if not _writable(root):
@@ -336,7 +339,7 @@ def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *
         warnings.warn(f"build cache {root} is not writable; building {spec.name} in a private temporary directory "
                       f"(set ${BUILD_DIR_ENV} to a writable directory to keep builds)", RuntimeWarning, stacklevel=2)
         private = Path(tempfile.mkdtemp(prefix=f"{spec.name}-{key}-"))
-        built = _timed_build(spec, private, verbose)
+        built = _timed_build(spec, private, timeout_s)
         return _import_module(spec.name, built)
 
     for _attempt in range(2):
@@ -352,7 +355,7 @@ def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *
             private = root / "build" / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             private.mkdir(parents=True)
             start = time.monotonic()
-            built = _timed_build(spec, private, verbose)
+            built = _timed_build(spec, private, timeout_s)
             _publish(root, entry, built, spec, key, inputs, time.monotonic() - start)
             shutil.rmtree(private, ignore_errors=True)
     problem = verify_entry(entry, spec.name, key)
@@ -361,11 +364,11 @@ def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *
     return _import_module(spec.name, entry / _module_file(spec.name))
 
 
-def _timed_build(spec: ExtensionSpec, build_dir: Path, verbose: bool) -> Path:
+def _timed_build(spec: ExtensionSpec, build_dir: Path, timeout_s: float | None) -> Path:
     logger.warning("building %s for %s (first use with these sources and toolchain; CUDA builds take minutes)",
                    spec.name, ", ".join(spec.cuda_archs) or "CPU")
     start = time.monotonic()
-    built = _build_in_child(spec, build_dir, verbose)
+    built = _build_in_child(spec, build_dir, timeout_s)
     logger.warning("built %s in %.1f s (cold build) in %s", spec.name, time.monotonic() - start, build_dir)
     return built
 
@@ -390,7 +393,7 @@ def _child_main(request_file: str) -> None:
         extra_ldflags=list(spec.extra_ldflags),
         extra_include_paths=list(spec.extra_include_paths),
         build_directory=request["build_directory"],
-        verbose=request["verbose"],
+        verbose=True,  # the compiler's output (ptxas -v) into the parent's build.log
         with_cuda=spec.with_cuda,
         is_python_module=True,  # also proves the module imports (on a GPU-less machine too)
     )

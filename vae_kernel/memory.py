@@ -1,4 +1,4 @@
-"""Working-memory accounting for the decoder: a live-bytes tracker, budgets, and the dry-run op table.
+"""Working-memory accounting for the decoder: a live-bytes tracker, budgets, the dry-run op table and the planner.
 
 `max_memory` (see `WanVAEDecoder`) is met by measuring, not guessing: the decoder's own schedule of buffers (causal
 histories, windows, activations, tile crops) is replayed on the `meta` device, where tensors have shapes but no data,
@@ -19,7 +19,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .bands import LocalRows
+from .network import DecodeState, NetworkPass, Tile
 from .ops import Ops
+from .passes import latent_passes, pass_video_frames, row_tiles
 
 _SCRATCH_COPIES = 2
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -101,3 +104,105 @@ def dry_ops(compute_itemsize: int) -> Ops:
         del scratch
 
     return Ops("dry", op, op, op, attention, op, op)
+
+
+# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
+# frames (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is checked against
+# 1.3 x the replay.
+PEAK_HEADROOM = 1.3
+
+
+class MemoryPlanner:
+    """A decode's peak working memory, measured by replaying its buffers on the meta device, and the tile that keeps
+    it within a budget."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, frames_per_pass: int) -> None:
+        self.config, self.device, self.frames_per_pass = config, device, frames_per_pass
+        self._weights = weights
+        self._meta_weights = None
+        self._plans: dict[tuple, int | None] = {}
+
+    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False) -> int:
+        """Peak working memory (bytes) of decoding one sample of latents of `latents_shape` ([B, C, T, h, w]) with
+        `tile_rows` (None: untiled), by `decode` (stream=False) or `decode_iter` (stream=True; tiles then advance
+        together, so every tile's causal history is alive at once). Excludes weights, latents and the returned video
+        (for `decode_iter`, the chunk being yielded is included). Batch elements are decoded one after another, so
+        the batch size does not change it."""
+        _, _, t, height, width = latents_shape
+        if self._meta_weights is None:
+            self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
+        itemsize = 4 if self.device.type == "cpu" else 2  # the portable ops compute in fp32 on CPU, bf16 on GPU
+        ops, p, s = dry_ops(itemsize), self.config.patch_size, self.config.spatial_scale
+        passes = latent_passes(t, self.frames_per_pass)[:2]  # the first frame, then the largest pass: later repeat it
+        z = torch.empty((self.config.z_dim, passes[-1][1], height, width), device="meta")
+        meta = torch.device("meta")
+        if tile_rows is None or tile_rows >= height:
+            tiles = [None]
+        elif stream:
+            tiles = row_tiles(height, tile_rows)
+        else:  # tile by tile: the middle tile holds the most margin rows
+            start = (height - tile_rows) // 2
+            tiles = [(start, start + tile_rows)]
+        with LiveBytes() as tracker:
+            states = [DecodeState(meta) for _ in tiles]
+            for t0, t1 in passes:
+                chunk = None
+                if stream or tile_rows is None:
+                    chunk = torch.empty((1, 3, len(pass_video_frames(t0, t1)), s * height, s * width),
+                                        dtype=torch.bfloat16, device=meta)
+                for tile, state in zip(tiles, states):
+                    spec = None if tile is None else Tile(*tile, height, self.config)
+                    out = NetworkPass(ops, self._meta_weights, self.config, LocalRows(height), state, t0 == 0,
+                                      spec).run(z[:, t0:t1])
+                    ops.unpatchify_clamp(out, out, p)
+                    del out
+                del chunk
+            del states
+        return tracker.peak
+
+    def tile_rows(self, latents_shape, budget: int, stream: bool) -> int | None:
+        """The largest tile whose peak fits `budget` bytes (None: the untiled decode fits); ValueError when even
+        one-row tiles do not fit. Remembered per latent shape."""
+        key = (*latents_shape[2:], budget, stream)
+        if key not in self._plans:
+            self._plans[key] = self._plan(tuple(latents_shape), budget, stream)
+        return self._plans[key]
+
+    def _fits(self, shape, tile_rows, stream, budget) -> bool:
+        return self.peak_bytes(shape, tile_rows, stream) * PEAK_HEADROOM <= budget
+
+    def _plan(self, shape, budget: int, stream: bool) -> int | None:
+        height = shape[3]
+        if self._fits(shape, None, stream, budget):
+            return None
+        if stream:
+            return self._plan_stream(shape, budget)
+        smallest = int(self.peak_bytes(shape, 1) * PEAK_HEADROOM)
+        if smallest > budget:
+            raise _too_small(budget, shape, smallest, "even in one-row tiles")
+        lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(shape, mid, False, budget):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _plan_stream(self, shape, budget: int) -> int:
+        """Streaming keeps every tile's history, and the tiles' margins overlap, so below some size smaller tiles
+        cost more (Wan2.2 at 704x1248: least near 11 rows). Try each tile count's largest tile, largest first."""
+        height = shape[3]
+        candidates = sorted({-(-height // k) for k in range(2, height + 1)}, reverse=True)
+        peaks = []
+        for rows in candidates:
+            peak = int(self.peak_bytes(shape, rows, True) * PEAK_HEADROOM)
+            if peak <= budget:
+                return rows
+            peaks.append(peak)
+        raise _too_small(budget, shape, min(peaks), "streamed (decode_iter) in any tile size")
+
+
+def _too_small(budget: int, shape, needed: int, how: str) -> ValueError:
+    return ValueError(f"max_memory {format_bytes(budget)} ({budget} bytes) is too small to decode latents "
+                      f"{list(shape)} {how}: that needs at least {format_bytes(needed)} ({needed} bytes)")

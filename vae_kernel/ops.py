@@ -4,7 +4,7 @@
 channels-last (NDHWC / NHWC) bf16 activations and writes into a destination tensor the decoder owns (destination
 passing), so a compiled kernel can replace any single op without touching the rest. `TORCH_OPS` is the portable
 table (CPU and any CUDA GPU); a compiled backend builds its table with `dataclasses.replace(TORCH_OPS, conv3d=...)`
-and returns it from `fastvideo_pan2_ext.vae_kernel.compiled.load_ops(device)` (see `select_ops`).
+and `loader.load_ops(device)` returns it (`backends.select_ops` chooses between the two).
 
 Layout rules every op may rely on (and every replacement must honour):
 - Activations are bf16, channels last. The last three dims of every activation (rows, width, channels) form one
@@ -24,13 +24,11 @@ Layout rules every op may rely on (and every replacement must honour):
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
 _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
@@ -157,13 +155,14 @@ def unpatchify_clamp(x: torch.Tensor, out: torch.Tensor, patch_size: int) -> Non
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The table and its one dispatch point
+# The table
 # --------------------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-    """The decoder's hot ops (signatures as the portable functions above). `name` says which backend it is."""
+    """The decoder's hot ops (signatures as the portable functions above). `name` says which backend it is;
+    `fallbacks` counts, per op and reason, the calls a compiled table handed to the portable op (empty here)."""
 
     name: str
     conv3d: Callable[..., None]
@@ -172,34 +171,7 @@ class Ops:
     attention: Callable[..., None]
     dup_up_add: Callable[..., None]
     unpatchify_clamp: Callable[..., None]
+    fallbacks: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
 
 
 TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)
-
-BACKENDS = ("auto", "cuda", "torch")
-
-
-def select_ops(backend: str, device: torch.device) -> Ops:
-    """The op table for `backend` on `device`.
-
-    "torch": the portable table. "cuda": `compiled.load_ops(device)` or a RuntimeError saying why not.
-    "auto": the compiled table where it loads (it is expected to raise unless built and self-checked for this
-    device), else the portable one. `compiled.load_ops(device) -> Ops` is the compiled backend's only hook.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return TORCH_OPS
-    if device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs a CUDA device; got device {device}")
-    try:
-        from . import compiled  # noqa: PLC0415 - optional: absent or unbuildable on many machines
-        ops = compiled.load_ops(device)
-    except Exception as exc:  # any failure to build, load or self-check means "not available here"
-        if backend == "cuda":
-            raise RuntimeError(f"the compiled CUDA decoder is not available on {device}: {exc}") from exc
-        logger.info("compiled VAE decoder unavailable on %s (%s); using the portable PyTorch ops", device, exc)
-        return TORCH_OPS
-    if not isinstance(ops, Ops):
-        raise TypeError(f"compiled.load_ops must return an Ops table; got {type(ops).__name__}")
-    return ops

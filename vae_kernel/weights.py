@@ -1,6 +1,6 @@
 """The decoder's weights: validation, their order, and the layouts the ops consume (prepared once).
 
-`weight_names(config)` lists every tensor the decoder reads, in execution order (reference.expected_shapes's order);
+`weight_names(config)` lists every tensor the decoder reads, in execution order (architecture.expected_shapes's order);
 `decoder_weights(state_dict)` returns them prepared, in that order — the list a compiled kernel consumes:
 
 | tensor                                   | prepared as                                                         |
@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fastvideo_pan2_ext.reference import WanVAEConfig, expected_shapes, infer_config
-
-# The Wan2.2 TI2V-5B VAE's decoder (DESIGN.md §3).
-WAN22_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=256, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
-                            temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+from .architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
 
 # Taps of nearest-2x + 3x3 conv seen from the low-resolution input: output phase a reads low-res offsets (a - 1, a)
 # with kernel rows combined as below (phase 0: w0 | w1 + w2; phase 1: w0 + w1 | w2).
@@ -42,8 +38,6 @@ def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
 
 def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """One state-dict tensor in the layout the ops take (see the module table)."""
-    if not torch.isfinite(tensor).all():
-        raise ValueError(f"state_dict[{name!r}] has non-finite values")
     if name.endswith(".gamma"):
         return (tensor.float().flatten() * tensor.shape[0] ** 0.5).contiguous()
     if name.endswith(".bias"):
@@ -65,15 +59,24 @@ def state_dict_of(vae_or_state_dict) -> dict[str, torch.Tensor]:
                      f"got {type(vae_or_state_dict).__name__}")
 
 
+def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """The config and the decoder's tensors of `sd`, in execution order: every tensor present, with its shape
+    (`infer_config` names any missing or misshapen one), finite."""
+    config = infer_config(sd)
+    tensors = {name: sd[name].detach() for name in weight_names(config)}
+    for name, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"state_dict[{name!r}] has non-finite values")
+    return config, tensors
+
+
 def load(vae_or_state_dict, device: torch.device) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    """Validate the weights (every tensor present, with its shape, finite) and prepare them on `device`."""
-    sd = state_dict_of(vae_or_state_dict)
-    config = infer_config(sd)  # raises ValueError naming any missing or misshapen tensor
-    return config, {name: prepare(name, sd[name].detach().to(device)) for name in weight_names(config)}
+    """Validate the weights and prepare them on `device`."""
+    config, tensors = _checked(state_dict_of(vae_or_state_dict))
+    return config, {name: prepare(name, t.to(device)) for name, t in tensors.items()}
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:
     """The prepared tensors, in `weight_names(infer_config(state_dict))` order, on the state dict's device."""
-    sd = state_dict_of(state_dict)
-    config = infer_config(sd)
-    return [prepare(name, sd[name].detach()) for name in weight_names(config)]
+    _, tensors = _checked(state_dict_of(state_dict))
+    return [prepare(name, t) for name, t in tensors.items()]

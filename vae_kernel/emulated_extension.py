@@ -1,0 +1,64 @@
+"""The compiled extension's Python API (csrc/binding.cpp) implemented with torch on any device: the stand-in for the
+GPU where there is none (CPU rehearsals of the GPU check, tests of the op-table adaptor, the self-check and the loader).
+
+Same functions, argument order, checks that matter to the caller (contiguity, channel multiples of 8, explicit
+per-side padding, strided destinations) and rounding points (fp32 accumulation, one rounding to bf16 on store). It can
+also misbehave on purpose, to prove that a wrong or crashing build is caught: `conv_error` / `norm_error` perturb the
+results, `abort=True` kills the process at the first kernel call (what a faulting kernel does to its CUDA context).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+# Pseudo-architectures that `extension.open_extension` answers with an emulated extension (CPU rehearsals): a correct
+# one, one outside the allowance, one whose first kernel call kills its process.
+VARIANTS = {"emulated": {}, "emulated-wrong": {"conv_error": 0.05}, "emulated-abort": {"abort": True}}
+
+
+class EmulatedExtension:
+    """Stands in for the built extension module (`kernels.make_ops(EmulatedExtension())`)."""
+
+    def __init__(self, name: str = "emulated", conv_error: float = 0.0, norm_error: float = 0.0,
+                 abort: bool = False) -> None:
+        self.name, self.conv_error, self.norm_error, self.abort = name, conv_error, norm_error, abort
+        self.calls: list[tuple[str, tuple]] = []  # (kernel, output shape): proves the kernel path was taken
+
+    def arch(self) -> str:
+        return self.name
+
+    def _enter(self, kernel: str, out: torch.Tensor) -> None:
+        if self.abort:
+            os.abort()
+        self.calls.append((kernel, tuple(out.shape)))
+
+    def conv3d(self, x, w, b, out, residual, pad_lo, pad_hi) -> None:
+        if not (x.is_contiguous() and w.is_contiguous() and out.stride(-1) == 1):
+            raise RuntimeError("x and w must be contiguous and out must have unit channel stride")
+        if x.shape[-1] % 8 or w.shape[0] % 8:
+            raise RuntimeError("conv3d: channel counts must be multiples of 8")
+        self._enter("conv3d", out)
+        xp = F.pad(x.float(), (0, 0, pad_lo[2], pad_hi[2], pad_lo[1], pad_hi[1], pad_lo[0], pad_hi[0]))
+        y = F.conv3d(xp.permute(0, 4, 1, 2, 3), w.float().permute(0, 4, 1, 2, 3), b.float()).permute(0, 2, 3, 4, 1)
+        if residual is not None:
+            y = y + residual.float()
+        if self.conv_error:
+            y = y + self.conv_error * y.abs().mean() * torch.randn_like(y)
+        out.copy_(y)
+
+    def subpixel_scatter(self, y, out) -> None:
+        self._enter("subpixel_scatter", out)
+        rows_plus_1, w_plus_1 = y.shape[1], y.shape[2]
+        for a in (0, 1):
+            for c in (0, 1):
+                out[:, a::2, c::2].copy_(y[:, a:a + rows_plus_1 - 1, c:c + w_plus_1 - 1, 2 * a + c])
+
+    def rms_norm_silu(self, x, gamma, out, silu, eps) -> None:
+        self._enter("rms_norm_silu", out)
+        xf = x.float()
+        y = xf / xf.norm(dim=-1, keepdim=True).clamp_min(eps) * gamma
+        y = F.silu(y) if silu else y
+        out.copy_(y * (1 + self.norm_error))

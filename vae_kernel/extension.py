@@ -1,0 +1,116 @@
+"""The decoder's CUDA extension as a build: its sources, flags and target architecture (built through `build.py`'s
+content-keyed cache). Nothing here runs a kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from fastvideo_pan2_ext import __version__
+
+from . import build
+from .emulated_extension import VARIANTS as EMULATED_VARIANTS
+from .emulated_extension import EmulatedExtension
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu")
+HEADERS = ("decode_kernels.h",)
+EXTENSION_PREFIX = "wan22_vae_decode_"  # + arch: builds for two GPU kinds can live in one process
+CUTLASS_DIR_ENV = "WAN22_CUTLASS_DIR"  # a CUTLASS source tree (include/, tools/util/include/) instead of the wheel's
+
+# Compute capability -> the one architecture we build for it (arch-specific "a" targets: TMA/WGMMA, UMMA).
+ARCH_FOR_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+CUTLASS_FAMILY = {"sm_90a": "WAN22_SM90", "sm_100a": "WAN22_SM100", "sm_103a": "WAN22_SM100"}
+
+
+class CompiledUnavailable(RuntimeError):
+    """The compiled backend cannot be used here (no GPU, unsupported GPU, no toolchain, failed build or self-check)."""
+
+
+def cutlass_source_dir() -> Path:
+    """The CUTLASS tree to compile against: $WAN22_CUTLASS_DIR, else the `nvidia-cutlass` wheel's copy."""
+    configured = os.environ.get(CUTLASS_DIR_ENV)
+    if configured:
+        root = Path(configured)
+    else:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or spec.origin is None:
+            raise CompiledUnavailable("CUTLASS headers not found: install `nvidia-cutlass` or set "
+                                      f"${CUTLASS_DIR_ENV} to a CUTLASS source tree")
+        root = Path(spec.origin).parent / "source"
+    if not (root / "include" / "cutlass" / "version.h").is_file():
+        raise CompiledUnavailable(f"{root} is not a CUTLASS source tree (no include/cutlass/version.h)")
+    return root
+
+
+def cutlass_version(root: Path) -> str:
+    text = (root / "include" / "cutlass" / "version.h").read_text()
+    parts = []
+    for field in ("MAJOR", "MINOR", "PATCH"):
+        line = next(l for l in text.splitlines() if l.startswith(f"#define CUTLASS_{field} "))
+        parts.append(line.split()[2])
+    return ".".join(parts)
+
+
+def extension_name(arch: str) -> str:
+    return EXTENSION_PREFIX + arch
+
+
+def extension_spec(arch: str) -> build.ExtensionSpec:
+    """The decoder extension for one architecture (torch applies one arch list to every file: build one arch)."""
+    if arch not in CUTLASS_FAMILY:
+        raise ValueError(f"arch must be one of {sorted(CUTLASS_FAMILY)}; got {arch!r}")
+    cutlass = cutlass_source_dir()
+    includes = (str(cutlass / "include"), str(cutlass / "tools" / "util" / "include"), str(CSRC))
+    # Hidden visibility: the template instantiations of two builds loaded into one process (one per GPU kind) would
+    # otherwise bind to each other's copies (GCC's process-wide unique symbols; measured: the sm_100a module ran the
+    # sm_90a module's code).
+    cuda_flags = (
+        "-O3", "-Xcompiler=-fvisibility=hidden",
+        "-DNDEBUG",  # without it ptxas serializes wgmma (warning C7510)
+        f"-D{CUTLASS_FAMILY[arch]}", f"-DWAN22_ARCH={arch[3:].rstrip('a')}",
+        "--expt-relaxed-constexpr", "--expt-extended-lambda",
+        # torch's defaults hide the half/bf16 operators CUTLASS relies on
+        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+        "-Xptxas=-v",  # registers, spills and shared memory of every kernel, kept in the build log
+    )
+    return build.ExtensionSpec(
+        name=extension_name(arch),
+        sources=tuple(str(CSRC / s) for s in SOURCES),
+        depends=tuple(str(CSRC / h) for h in HEADERS),
+        extra_cflags=("-O3", "-fvisibility=hidden"),
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=includes,
+        cuda_archs=(arch,),
+        key_extras=(("cutlass", cutlass_version(cutlass)), ("package", __version__)),
+    )
+
+
+def arch_for_device(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = ARCH_FOR_CAPABILITY.get((major, minor))
+    if arch is None:
+        raise CompiledUnavailable(f"no compiled kernels for compute capability {major}.{minor} "
+                                  f"(built for {sorted(ARCH_FOR_CAPABILITY)})")
+    return arch
+
+
+def open_extension(arch: str, root: str | os.PathLike | None = None, timeout_s: float | None = None):
+    """The extension for `arch`: built (or loaded from the cache), or, for a pseudo-architecture of
+    `emulated_extension.VARIANTS`, the emulated one (CPU rehearsals of everything above the kernels)."""
+    if arch in EMULATED_VARIANTS:
+        return EmulatedExtension(arch, **EMULATED_VARIANTS[arch])
+    return build_extension(arch, root, timeout_s)
+
+
+def build_extension(arch: str, root: str | os.PathLike | None = None, timeout_s: float | None = None):
+    """Build (or load from the cache) the extension for `arch`; works without a GPU (compile and import only). A
+    compile that outlasts `timeout_s` is killed (BuildError)."""
+    if build.cuda_home() is None:
+        raise CompiledUnavailable("no CUDA toolkit (nvcc) found: set CUDA_HOME")
+    return build.load_extension(extension_spec(arch), root=root, timeout_s=timeout_s)

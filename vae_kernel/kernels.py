@@ -1,0 +1,110 @@
+"""The compiled extension's kernels behind the op signatures of `ops.py`: the compiled op table.
+
+`make_ops(ext)` is `ops.TORCH_OPS` with conv3d, rms_norm_silu and upsample2x_conv3x3 replaced by the extension's
+kernels (channels-last bf16, destination passing, the current CUDA stream). `ext` is the built extension or anything
+with its functions (`emulated_extension` on CPU). A call the kernels do not cover (not bf16, a layout the TMA alignment
+rules out) goes to the portable op, so the table is total, and is counted in the table's `fallbacks` (op and reason):
+a fallback is never silent.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+
+def _tma_ok(t: torch.Tensor | None) -> bool:
+    """The kernels' layout preconditions: bf16, unit channel stride, 16-byte aligned base and strides."""
+    return t is None or (t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                         and all(s % 8 == 0 for s in t.stride()[:-1]))
+
+
+class CompiledKernels:
+    """The extension's functions as op-table entries; `fallbacks` counts the calls that ran the portable op."""
+
+    def __init__(self, ext, fallbacks: collections.Counter) -> None:
+        self.ext = ext
+        self.arch = ext.arch()
+        self.fallbacks = fallbacks
+        self._bias4: dict[tuple, torch.Tensor] = {}
+
+    def _fallback(self, op: str, reason: str) -> None:
+        self.fallbacks[f"{op}: {reason}"] += 1
+
+    def conv3d(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+               residual: torch.Tensor | None = None) -> None:
+        """out = conv(x, w) + b (+ residual): valid in time and rows, zero padding kw//2 in width (ops.conv3d)."""
+        kw, co = w.shape[3], w.shape[0]
+        reason = None
+        if w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            reason = "not bf16"
+        elif not x.is_contiguous() or not _tma_ok(x) or x.shape[-1] % 8:
+            reason = f"x [.., {x.shape[-1]}] not contiguous, aligned, with channels a multiple of 8"
+        elif kw % 2 == 0:
+            reason = f"even kernel width {kw}"
+        elif co % 8 == 0 and not (_tma_ok(out) and _tma_ok(residual)):
+            reason = "out or residual not 16-byte aligned"
+        if reason is not None:
+            self._fallback("conv3d", reason)
+            return ops.conv3d(x, w, b, out, residual)
+        b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
+        pad_lo, pad_hi = [0, 0, kw // 2], [0, 0, kw // 2]
+        if co % 8 == 0:
+            self.ext.conv3d(x, w.contiguous(), b, out, residual, pad_lo, pad_hi)
+            return None
+        # e.g. conv_out's 12 channels: compute 16 (zero filters), keep 12
+        extra = 8 - co % 8
+        wide = out.new_empty((*out.shape[:4], co + extra))
+        self.ext.conv3d(x, F.pad(w, (0, 0) * 4 + (0, extra)).contiguous(), F.pad(b, (0, extra)), wide, None,
+                        pad_lo, pad_hi)
+        out.copy_(wide[..., :co] if residual is None else wide[..., :co] + residual)
+        return None
+
+    def rms_norm_silu(self, x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
+        """out = silu?(x / max(||x||_C, 1e-12) * gamma), one fused pass (ops.rms_norm_silu)."""
+        if x.shape[-1] % 8 or x.shape[-1] > 2048 or not (_tma_ok(x) and _tma_ok(out)):
+            self._fallback("rms_norm_silu", f"{x.shape[-1]} channels or an unaligned layout")
+            return ops.rms_norm_silu(x, gamma, out, silu)
+        gamma = gamma if gamma.dtype == torch.float32 and gamma.is_contiguous() else gamma.float().contiguous()
+        self.ext.rms_norm_silu(x, gamma.reshape(-1), out, silu, ops.RMS_EPS)
+        return None
+
+    def upsample2x_conv3x3(self, x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """ops.upsample2x_conv3x3: one CUTLASS 2x2 conv computing all four phases (4 x Co channels, bias in the
+        epilogue) over x's valid rows, then one pass interleaving the phases into out."""
+        m, hi, width, ci = x.shape
+        co = w_sub.shape[2]
+        if (w_sub.dtype != torch.bfloat16 or not x.is_contiguous() or ci % 8 or co % 8 or not _tma_ok(x)
+                or not _tma_ok(out) or out.stride(-2) != co or out.stride(-3) != 2 * width * co):
+            self._fallback("upsample2x_conv3x3", f"{ci} -> {co} channels or a layout the kernels cannot take")
+            return ops.upsample2x_conv3x3(x, w_sub, b, out)
+        if out.shape != (m, 2 * (hi - 2), 2 * width, co):
+            raise ValueError(f"out must be [{m}, {2 * (hi - 2)}, {2 * width}, {co}] for x {list(x.shape)}; "
+                             f"got {list(out.shape)}")
+        y = x.new_empty((m, 1, hi - 1, width + 1, 4 * co))
+        self.ext.conv3d(x.view(m, 1, hi, width, ci), w_sub.reshape(4 * co, 1, 2, 2, ci).contiguous(),
+                        self._bias_per_phase(b), y, None, [0, 0, 1], [0, 0, 1])
+        self.ext.subpixel_scatter(y.view(m, hi - 1, width + 1, 4, co), out)
+        return None
+
+    def _bias_per_phase(self, b: torch.Tensor) -> torch.Tensor:
+        key = (b.data_ptr(), b._version, b.numel())
+        cached = self._bias4.get(key)
+        if cached is None:
+            if len(self._bias4) > 64:
+                self._bias4.clear()
+            cached = self._bias4[key] = b.float().repeat(4).contiguous()
+        return cached
+
+
+def make_ops(ext, name: str = "compiled") -> ops.Ops:
+    """The decoder's op table with `ext`'s kernels in place of the portable hot ops."""
+    fallbacks: collections.Counter = collections.Counter()
+    kernels = CompiledKernels(ext, fallbacks)
+    return dataclasses.replace(ops.TORCH_OPS, name=name, conv3d=kernels.conv3d, rms_norm_silu=kernels.rms_norm_silu,
+                               upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks)

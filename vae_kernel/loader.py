@@ -1,0 +1,87 @@
+"""The compiled op table for a device: built or loaded from the cache, verified once per process, remembered.
+
+    table = loader.load_ops(device)    # an ops.Ops, or CompiledUnavailable (a RuntimeError) saying why not
+
+A failure (no GPU, no kernels for its architecture, no toolchain, a failed build or self-check) is remembered for the
+process and device: the same exception again, without rebuilding. "auto" callers catch it and use the portable path
+(`backends.select_ops`, or `load_ops_or_none` with a warning); "cuda" callers let it propagate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from typing import Callable
+
+import torch
+
+from .extension import CompiledUnavailable, arch_for_device, open_extension
+from .kernels import make_ops
+from .ops import Ops
+from .verification import verify_build_isolated, verify_ops
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_loaded: dict[tuple, Ops | CompiledUnavailable] = {}  # (device, factory) -> op table or the reason it is unusable
+
+
+def _built_ops(device: torch.device, arch: str) -> Ops:
+    ext = open_extension(arch)
+    verify_build_isolated(ext, device)
+    return make_ops(ext)
+
+
+def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = None,
+             factory: Callable[[torch.device], Ops] | None = None) -> Ops:
+    """The compiled op table for `device`, verified (see the module notes).
+
+    `arch`: the extension to open instead of the device's own (`extension.open_extension`; e.g. "emulated" for a CPU
+    rehearsal of this whole path, child-process self-check included). `factory(device) -> Ops` replaces the build
+    altogether: the table is then self-checked in this process with the same cases and judgement, and remembered
+    the same way."""
+    device = torch.device(device)
+    if factory is None and arch is None:
+        if device.type != "cuda":
+            raise CompiledUnavailable(f"the compiled backend needs a CUDA device; got {device}")
+        if not torch.cuda.is_available():
+            raise CompiledUnavailable("the compiled backend needs a CUDA GPU; torch.cuda.is_available() is False")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _lock:
+        key = (str(device), arch, factory)
+        cached = _loaded.get(key)
+        if isinstance(cached, CompiledUnavailable):
+            raise cached
+        if cached is not None:
+            return cached
+        try:
+            if factory is None:
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    table = _built_ops(device, arch or arch_for_device(device))
+            else:
+                table = factory(device)
+                verify_ops(table, device)
+        except CompiledUnavailable as exc:
+            _loaded[key] = exc
+            logger.warning("compiled VAE decoder disabled for this process on %s: %s", device, exc)
+            raise
+        except Exception as exc:  # a build error, or a CUDA error inside the kernels
+            wrapped = CompiledUnavailable(f"compiled backend unavailable on {device}: {type(exc).__name__}: {exc}")
+            _loaded[key] = wrapped
+            logger.warning("compiled VAE decoder disabled for this process on %s: %s", device, wrapped)
+            raise wrapped from exc
+        _loaded[key] = table
+        return table
+
+
+def load_ops_or_none(device: torch.device | str | int = "cuda", *, arch: str | None = None,
+                     factory: Callable[[torch.device], Ops] | None = None) -> Ops | None:
+    """For backend="auto": the compiled ops, or None with a warning saying why the portable path is used."""
+    try:
+        return load_ops(device, arch=arch, factory=factory)
+    except CompiledUnavailable as exc:
+        warnings.warn(f"using the portable decoder: {exc}", RuntimeWarning, stacklevel=2)
+        return None

@@ -1,0 +1,152 @@
+"""The decode loops: a clip's latent frames in passes, its rows in bands or tiles, the video out in chunks.
+
+A pass decodes `frames_per_pass` latent frames at once (the first latent frame, which becomes one video frame, always
+goes alone: its temporal upsamplers pass it through and its DupUp shortcut keeps one frame of two). Batch elements are
+decoded one after another: they are independent, and it keeps every activation of a pass contiguous.
+
+- `iter_bands`: pass by pass over this rank's band of rows (the whole frame for one rank); rank 0 gathers each chunk.
+- `iter_tiles`: pass by pass, every pass run tile after tile, each tile keeping its own causal history (streaming and
+  tiling combine: one tile's activations, every tile's history).
+- `decode_tiles`: tile by tile, each over the whole clip, so only one tile's activations and history are alive.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .architecture import WanVAEConfig, video_frames
+from .bands import LocalRows
+from .network import DecodeState, NetworkPass, Tile
+from .ops import Ops
+from .precision import exact_fp32
+
+_PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
+
+Chunk = tuple[int, int, "torch.Tensor | None"]  # (sample index, first video frame, [1, 3, F, H, W] or None)
+
+
+def latent_passes(t: int, frames_per_pass: int) -> list[tuple[int, int]]:
+    """Latent frame ranges [t0, t1): the first frame alone, then frames_per_pass at a time."""
+    return [(0, 1)] + [(s, min(s + frames_per_pass, t)) for s in range(1, t, frames_per_pass)]
+
+
+def pass_video_frames(t0: int, t1: int) -> range:
+    """The video frames a pass over latent frames [t0, t1) makes."""
+    return range(video_frames(t0) if t0 else 0, video_frames(t1))
+
+
+def row_tiles(height: int, tile_rows: int) -> list[tuple[int, int]]:
+    """Latent rows [start, stop) of each tile of `tile_rows` rows (the last may be shorter)."""
+    return [(s, min(s + tile_rows, height)) for s in range(0, height, tile_rows)]
+
+
+class PassRunner:
+    """Runs the network (`network.NetworkPass`) over whole clips with one op table and one set of prepared weights."""
+
+    def __init__(self, ops: Ops, weights: dict[str, torch.Tensor], config: WanVAEConfig, device: torch.device,
+                 frames_per_pass: int) -> None:
+        self.ops, self.weights, self.config, self.device = ops, weights, config, device
+        self.frames_per_pass = frames_per_pass
+
+    def _chunk(self, frames: int, height: int, width: int) -> torch.Tensor:
+        s = self.config.spatial_scale
+        return torch.empty((1, 3, frames, s * height, s * width), dtype=torch.bfloat16, device=self.device)
+
+    def iter_bands(self, latents: torch.Tensor, rows: LocalRows) -> Iterator[Chunk]:
+        """This rank's band of rows, pass by pass; yields whole-frame chunks on the root rank, None elsewhere."""
+        batch, _, t, height, _ = latents.shape
+        start, stop = rows.rows
+        lo, hi = max(start - 1, 0), min(stop + 1, height)
+        passes = latent_passes(t, self.frames_per_pass)
+        progress = _progress(batch * len(passes), rows.is_root)
+        p = self.config.patch_size
+        with torch.no_grad(), exact_fp32():
+            for b in range(batch):
+                state = DecodeState(self.device)
+                for t0, t1 in passes:
+                    out = NetworkPass(self.ops, self.weights, self.config, rows, state, t0 == 0).run(
+                        latents[b, :, t0:t1, lo:hi])
+                    chunk = torch.empty((1, 3, out.shape[1], p * out.shape[2], p * out.shape[3]),
+                                        dtype=torch.bfloat16, device=self.device)
+                    self.ops.unpatchify_clamp(out, chunk, p)
+                    del out
+                    parts = rows.gather_to_root(chunk)
+                    del chunk
+                    if parts is not None:
+                        parts = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+                    progress.update(1)
+                    yield b, pass_video_frames(t0, t1).start, parts
+                    del parts
+        progress.close()
+
+    def tile_pass(self, z: torch.Tensor, t0: int, t1: int, rows: tuple[int, int], state: DecodeState,
+                  dest: torch.Tensor) -> None:
+        """Decode latent frames [t0, t1) of one sample's z [C, T, h, w], keeping latent rows `rows`, into `dest`
+        (those rows of the pass's video frames); `state` is that tile's causal history."""
+        height = z.shape[2]
+        tile = Tile(*rows, height, self.config)
+        out = NetworkPass(self.ops, self.weights, self.config, LocalRows(height), state, t0 == 0, tile).run(
+            z[:, t0:t1])
+        self.ops.unpatchify_clamp(out, dest, self.config.patch_size)
+
+    def iter_tiles(self, latents: torch.Tensor, tile_rows: int) -> Iterator[Chunk]:
+        """Pass by pass, each pass tile after tile (each tile keeps its own history); whole-frame chunks."""
+        batch, _, t, height, width = latents.shape
+        tiles = row_tiles(height, tile_rows)
+        passes = latent_passes(t, self.frames_per_pass)
+        s = self.config.spatial_scale
+        progress = _progress(batch * len(passes), True)
+        with torch.no_grad(), exact_fp32():
+            for b in range(batch):
+                states = [DecodeState(self.device) for _ in tiles]
+                for t0, t1 in passes:
+                    frames = pass_video_frames(t0, t1)
+                    chunk = self._chunk(len(frames), height, width)
+                    for (start, stop), state in zip(tiles, states):
+                        self.tile_pass(latents[b], t0, t1, (start, stop), state, chunk[..., s * start:s * stop, :])
+                    progress.update(1)
+                    yield b, frames.start, chunk
+                    del chunk
+                del states
+        progress.close()
+
+    def decode_tiles(self, latents: torch.Tensor, video: torch.Tensor, tile_rows: int) -> torch.Tensor:
+        """Tile by tile, each over the whole clip, into `video` (so one tile's state is alive at a time)."""
+        batch, _, t, height, _ = latents.shape
+        tiles = row_tiles(height, tile_rows)
+        passes = latent_passes(t, self.frames_per_pass)
+        s = self.config.spatial_scale
+        progress = _progress(batch * len(tiles) * len(passes), True)
+        with torch.no_grad(), exact_fp32():
+            for b in range(batch):
+                for start, stop in tiles:
+                    state = DecodeState(self.device)
+                    for t0, t1 in passes:
+                        frames = pass_video_frames(t0, t1)
+                        self.tile_pass(latents[b], t0, t1, (start, stop), state,
+                                       video[b:b + 1, :, frames.start:frames.stop, s * start:s * stop])
+                        progress.update(1)
+                    del state
+        progress.close()
+        return video
+
+
+def collect(chunks: Iterator[Chunk], video_shape, device: torch.device) -> torch.Tensor | None:
+    """The chunks of a decode assembled into the whole video (None on ranks that received no chunk)."""
+    video = None
+    for b, frame, chunk in chunks:
+        if chunk is None:
+            continue
+        if video is None:
+            video = torch.empty(video_shape, dtype=torch.bfloat16, device=device)
+        video[b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)
+    return video
+
+
+def _progress(total: int, show: bool):
+    from tqdm.auto import tqdm  # noqa: PLC0415 - only needed while decoding
+
+    return tqdm(total=total, desc="VAE decode", unit="pass", delay=_PROGRESS_DELAY_S, disable=not show or total < 2,
+                leave=False)

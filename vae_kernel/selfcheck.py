@@ -1,0 +1,257 @@
+"""The runtime self-check of an op table: every op call the real decoders make, at their real channel counts and a
+small spatial size, then one small whole decode, each judged by the allowance against the fp32 definition.
+
+The cases are not listed by hand: `op_signatures` runs the decoder of every supported architecture on the meta device
+with a recording op table, so a new layer shape is covered the moment the decoder uses it (conv_in's 48 channels,
+conv_out's 12 outputs, the 1024-channel convs, the time convs' 2C outputs, the sub-pixel convs...). Spatial sizes are
+chosen so that no GEMM dimension is a multiple of a kernel tile (rows 5, width 13: M = 195 per 3 frames), and the
+decode check crosses pass boundaries (T = 4 at two frames per pass).
+
+The op baseline is the definition computed in fp32 from the same bf16 inputs and rounded to bf16 once: the release
+way for one op (bf16 tensors, fp32 accumulation); for the decode it is the release bf16 decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastvideo_pan2_ext import reference
+
+from . import weights as weights_mod
+from .allowance import AllowanceReport, compare_to_reference
+from .architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
+from .bands import LocalRows
+from .network import DecodeState, NetworkPass
+from .ops import RMS_EPS, TORCH_OPS, Ops
+from .passes import PassRunner, collect
+from .precision import exact_fp32
+
+SUPPORTED_CONFIGS = (WAN22_CONFIG,)  # the real decoders whose every op shape the self-check covers
+
+# A narrow Wan2.2-layout decoder with the real latent width (conv_in reads 48 channels) for the whole-decode check.
+DECODE_CHECK_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                                   temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+DECODE_CHECK_LATENTS = (1, 48, 4, 3, 5)  # T = 4 at 2 frames per pass: passes [0,1) [1,3) [3,4)
+CASE_FRAMES, CASE_ROWS, CASE_WIDTH = 3, 5, 13
+
+
+# --------------------------------------------------------------------------------------------------- definitions
+
+
+def reference_conv3d(x, w, b, residual=None):
+    """ops.conv3d's definition in plain torch (NCDHW F.conv3d), computed in x's dtype."""
+    y = F.conv3d(x.permute(0, 4, 1, 2, 3), w.permute(0, 4, 1, 2, 3).to(x.dtype), b.to(x.dtype),
+                 padding=(0, 0, w.shape[3] // 2))
+    y = y.permute(0, 2, 3, 4, 1)
+    return y + residual if residual is not None else y
+
+
+def reference_rms_norm_silu(x, gamma, silu=True):
+    """Wan's RMS_norm (F.normalize * sqrt(C) * gamma; gamma here carries sqrt(C)) + SiLU, computed in x's dtype."""
+    y = F.normalize(x, dim=-1, eps=RMS_EPS) * gamma.to(x.dtype)
+    return F.silu(y) if silu else y
+
+
+def reference_upsample2x_conv3x3(x, w, b):
+    """ops.upsample2x_conv3x3's definition from the original 3x3 weights w [Co, Ci, 3, 3]: nearest-2x upsample of
+    x [M, Hi, W, C] (rows include one halo row each side), 3x3 conv valid in rows, zero-padded in width, then the
+    rows that belong to the interior. Computed in x's dtype."""
+    up = F.interpolate(x.permute(0, 3, 1, 2), scale_factor=2.0, mode="nearest")
+    y = F.conv2d(up, w.to(x.dtype), b.to(x.dtype), padding=(0, 1))
+    return y[:, :, 1:-1].permute(0, 2, 3, 1)
+
+
+def random_weights(config: WanVAEConfig, seed: int = 0, scale: float = 1.0,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Seeded fp32 decoder weights of a sensible scale for `config` (every tensor the decoder reads), like a trained
+    model's initialisation: convs randn / sqrt(fan_in) (times `scale`, to stress the arithmetic), biases 0.1 randn,
+    RMS gammas 1 + 0.1 randn. Drawn on `device` (the same seed gives the same weights on the same kind of device)."""
+    g = torch.Generator(device).manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(config).items():
+        noise = torch.randn(shape, generator=g, device=device)
+        if name.endswith("gamma"):
+            out[name] = 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            out[name] = 0.1 * noise
+        else:
+            out[name] = noise * (scale / math.prod(shape[1:]) ** 0.5)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- the cases
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Signature:
+    """One kind of op call the decoder makes: the op, its channel counts and kernel, and its layout."""
+
+    op: str
+    ci: int
+    co: int
+    kernel: tuple[int, int, int] = (1, 1, 1)
+    residual: bool = False
+    silu: bool = True
+    strided_out: bool = False
+
+    def __str__(self) -> str:
+        extras = [f"k{'x'.join(map(str, self.kernel))}"] if self.op != "rms_norm_silu" else ([] if self.silu else
+                                                                                               ["no silu"])
+        extras += ["+ residual"] * self.residual + ["into a strided window"] * self.strided_out
+        return f"{self.op} {self.ci} -> {self.co} {' '.join(extras)}".strip()
+
+
+def op_signatures(configs=None) -> set[Signature]:
+    """Every distinct op call the decoders of `configs` (default: `SUPPORTED_CONFIGS`) make (the first pass and a
+    later one), recorded from a run on the meta device."""
+    seen: set[Signature] = set()
+
+    def conv3d(x, w, b, out, residual=None):
+        seen.add(Signature("conv3d", w.shape[4], w.shape[0], tuple(w.shape[1:4]), residual is not None,
+                           strided_out=not out.is_contiguous()))
+
+    def rms_norm_silu(x, gamma, out, silu=True):
+        seen.add(Signature("rms_norm_silu", x.shape[-1], x.shape[-1], silu=silu, strided_out=not out.is_contiguous()))
+
+    def upsample2x_conv3x3(x, w_sub, b, out):
+        seen.add(Signature("upsample2x_conv3x3", x.shape[-1], w_sub.shape[2], (1, 3, 3)))
+
+    def ignore(*args, **kwargs):
+        pass
+
+    recorder = Ops("recorder", conv3d, rms_norm_silu, upsample2x_conv3x3, ignore, ignore, ignore)
+    meta = torch.device("meta")
+    for config in configs or SUPPORTED_CONFIGS:
+        weights = {name: weights_mod.prepare(name, torch.empty(shape, device=meta))
+                   for name, shape in expected_shapes(config).items()}
+        state = DecodeState(meta)
+        for first, frames in ((True, 1), (False, 2)):
+            z = torch.empty((config.z_dim, frames, 2, 2), device=meta)
+            NetworkPass(recorder, weights, config, LocalRows(2), state, first).run(z)
+    return seen
+
+
+Case = tuple[str, Callable[[Ops], torch.Tensor], Callable[[], torch.Tensor]]
+
+
+def _case(sig: Signature, device: torch.device, g: torch.Generator) -> Case:
+    """(name, run(table) -> the table's output, reference() -> the definition in fp32) for one signature."""
+    bf16 = torch.bfloat16
+
+    def rand(*shape, scale=1.0):  # rounded to bf16 once, so every path sees the same inputs
+        return (torch.randn(*shape, generator=g) * scale).to(bf16).to(device)
+
+    f, r, w_ = CASE_FRAMES, CASE_ROWS, CASE_WIDTH
+    if sig.op == "conv3d":
+        kt, kh, kw = sig.kernel
+        x = rand(1, f + kt - 1, r + kh - 1, w_, sig.ci)
+        w = rand(sig.co, kt, kh, kw, sig.ci, scale=(sig.ci * kt * kh * kw) ** -0.5)
+        b = rand(sig.co, scale=0.1).float()
+        res = rand(1, f, r, w_, sig.co) if sig.residual else None
+
+        def run(table):
+            out = (torch.zeros(1, f + 2, r, w_, sig.co, device=device, dtype=bf16)[:, 2:] if sig.strided_out
+                   else torch.empty(1, f, r, w_, sig.co, device=device, dtype=bf16))
+            table.conv3d(x, w, b, out, res)
+            return out
+
+        return str(sig), run, lambda: reference_conv3d(x.float(), w.float(), b, None if res is None else res.float())
+    if sig.op == "rms_norm_silu":
+        x = rand(1, f, r, w_, sig.ci, scale=3.0)
+        gamma = ((1 + 0.1 * torch.randn(sig.ci, generator=g)) * sig.ci ** 0.5).to(device)
+
+        def run(table):  # strided: into the interior rows of a haloed window, as the decoder writes it
+            out = (torch.zeros(1, f + 2, r + 2, w_, sig.ci, device=device, dtype=bf16)[:, 2:, 1:-1]
+                   if sig.strided_out else torch.empty(1, f, r, w_, sig.ci, device=device, dtype=bf16))
+            table.rms_norm_silu(x, gamma, out, sig.silu)
+            return out
+
+        return str(sig), run, lambda: reference_rms_norm_silu(x.float(), gamma, sig.silu)
+    if sig.op == "upsample2x_conv3x3":
+        x = rand(f, r + 2, w_, sig.ci)
+        w3 = rand(sig.co, sig.ci, 3, 3, scale=(9 * sig.ci) ** -0.5)
+        b = rand(sig.co, scale=0.1).float()
+        w_sub = weights_mod.subpixel_weights(w3.float())
+
+        def run(table):
+            out = torch.empty(f, 2 * r, 2 * w_, sig.co, device=device, dtype=bf16)
+            table.upsample2x_conv3x3(x, w_sub, b, out)
+            return out
+
+        return str(sig), run, lambda: reference_upsample2x_conv3x3(x.float(), w3.float(), b)
+    raise ValueError(f"no self-check case for op {sig.op!r}")
+
+
+# --------------------------------------------------------------------------------------------------- the check
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """One case's allowance report, and the calls of it the table handed to the portable op (op: reason -> count)."""
+
+    report: AllowanceReport
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    def to_json(self) -> dict:
+        return {"report": dataclasses.asdict(self.report), "fallbacks": self.fallbacks}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CaseResult":
+        return cls(AllowanceReport(**data["report"]), dict(data["fallbacks"]))
+
+    def __str__(self) -> str:
+        fell = f"; fell back to the portable op: {self.fallbacks}" if self.fallbacks else ""
+        return f"{self.report}{fell}"
+
+
+def _counted(table: Ops, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[str, int]]:
+    before = dict(table.fallbacks)
+    out = run()
+    return out, {k: v - before.get(k, 0) for k, v in table.fallbacks.items() if v != before.get(k, 0)}
+
+
+def decode_check(table: Ops, device: torch.device) -> CaseResult:
+    """A small whole decode with `table` through the real decode loops, judged against the fp32 reference decode
+    (baseline: the release bf16 decode)."""
+    state_dict = random_weights(DECODE_CHECK_CONFIG)
+    config, prepared = weights_mod.load(state_dict, device)
+    z = torch.randn(DECODE_CHECK_LATENTS, generator=torch.Generator().manual_seed(7)).to(device)
+    runner = PassRunner(table, prepared, config, device, frames_per_pass=2)
+    video, fallbacks = _counted(table, lambda: collect(runner.iter_bands(z, LocalRows(z.shape[3])),
+                                                       video_shape(config, z.shape), device))
+    report = compare_to_reference(f"decode {list(DECODE_CHECK_LATENTS)} at 2 frames per pass", video,
+                                  reference.decode(z, state_dict, torch.float32),
+                                  reference.decode(z, state_dict, torch.bfloat16), unit_range=True)
+    return CaseResult(report, fallbacks)
+
+
+def self_check(table: Ops, device: torch.device, configs=None, keep_going: bool = False,
+               seed: int = 0) -> list[CaseResult]:
+    """Run every op the table replaces at every signature the decoders of `configs` use, then (if all pass) a small
+    whole decode (`configs` default: `SUPPORTED_CONFIGS`). Returns the results, up to the first failing case (every case with `keep_going`, for a full
+    diagnosis); the caller judges. Works for any op table, on CPU too."""
+    g = torch.Generator().manual_seed(seed)
+    results = []
+    with torch.no_grad(), exact_fp32():
+        for sig in sorted(op_signatures(configs)):
+            if getattr(table, sig.op) is getattr(TORCH_OPS, sig.op):
+                continue  # the portable op itself: nothing compiled to check
+            name, run, ref = _case(sig, device, g)
+            candidate, fallbacks = _counted(table, lambda: run(table))
+            reference = ref()
+            report = compare_to_reference(name, candidate, reference, reference.to(torch.bfloat16))
+            results.append(CaseResult(report, fallbacks))
+            if not report.ok and not keep_going:
+                break
+        if all(r.ok for r in results):  # a failed op already decides; the decode would only cost time
+            results.append(decode_check(table, device))
+    return results
