@@ -20,8 +20,8 @@ find_python312() {
 
 venv=.venv
 stamp="$venv/.setup-inputs"
-# _build.py writes the plugin hook .pth, which an editable install copies rather than links: a change must reinstall.
-inputs=$(cat pyproject.toml setup.sh fastvideo_pan2_ext/_build.py | sha256sum | cut -d' ' -f1)
+# plugin_loader/pth_hook.py writes the plugin hook .pth, which an editable install copies rather than links: a change must reinstall.
+inputs=$(cat pyproject.toml setup.sh fastvideo_pan2_ext/plugin_loader/pth_hook.py fastvideo_pan2_ext/version.py | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && "$venv/bin/python" -c 'import fastvideo_pan2_ext' 2>/dev/null; then
     exit 0
 fi

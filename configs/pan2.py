@@ -14,6 +14,9 @@ from fastvideo.api.presets import InferencePreset, PresetStageSpec
 from fastvideo.api.sampling_param import SamplingParam
 from fastvideo.configs.pipelines.wan import Wan2_2_TI2V_5B_Config
 
+from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
+
 MODEL_FAMILY = "pan2"
 PRESET_NAME = "pan2"
 PIPELINE_CLASS_NAME = "PAN2Pipeline"
@@ -34,7 +37,7 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
 
     vae_decode_kernel: decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this rank) instead of FastVideo's
         own Wan VAE decode. When a request only saves the video, the frames are then written to the mp4 as they are
-        decoded (`fastvideo_pan2_ext.stream_save`).
+        decoded (`fastvideo_pan2_ext.integration.streamed_save`).
     vae_frames_per_pass: latent frames the fast decoder processes per pass (memory vs speed; same video).
     vae_decode_tile_rows: decode in exact tiles of this many latent rows (fast decoder only; same video, less memory).
     vae_decode_max_memory: or let the fast decoder pick the largest tile whose working memory fits this budget
@@ -62,8 +65,6 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
         super().__post_init__()
         # A PAN2 config is made in the process that starts FastVideo's workers: decide FA4 here, so they inherit it
         # before anything of FastVideo's is imported in them.
-        from fastvideo_pan2_ext.attention import apply_fa4_policy
-
         apply_fa4_policy()
         self.check_vae_options()
         if self.vae_tiling:
@@ -73,40 +74,24 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
                            "vae_decode_max_memory or vae_decode_tile_rows (exact tiles).")
 
     def check_vae_options(self) -> None:
-        """ValueError naming the first bad decoder option (also run by the decode stage: FastVideo may set fields
-        after construction, e.g. from a pipeline-config JSON)."""
-        if not isinstance(self.vae_decode_kernel, bool):
-            raise ValueError(f"vae_decode_kernel must be a bool; got {self.vae_decode_kernel!r}")
-        if not _is_int(self.vae_frames_per_pass) or self.vae_frames_per_pass < 1:
-            raise ValueError(f"vae_frames_per_pass must be an int >= 1; got {self.vae_frames_per_pass!r}")
-        tile_rows, budget = self.vae_decode_tile_rows, self.vae_decode_max_memory
-        if tile_rows is not None and (not _is_int(tile_rows) or tile_rows < 1):
-            raise ValueError(f"vae_decode_tile_rows must be an int >= 1 (latent rows per tile) or None; got "
-                             f"{tile_rows!r}")
-        if budget is not None:
-            from fastvideo_pan2_ext.vae_kernel.memory import parse_bytes
-
-            try:
-                parse_bytes(budget)
-            except ValueError as exc:
-                raise ValueError(f"vae_decode_max_memory: {exc}") from None
-        if tile_rows is not None and budget is not None:
-            raise ValueError("set vae_decode_tile_rows or vae_decode_max_memory, not both: the budget picks the tile")
-        if (tile_rows is not None or budget is not None) and not self.vae_decode_kernel:
-            raise ValueError("vae_decode_tile_rows / vae_decode_max_memory tile the fast decoder: set "
-                             "vae_decode_kernel=True (FastVideo's own Wan VAE decode has no exact tiling)")
+        """ValueError naming the first bad decoder option; then PAN2's switch and options become the Wan VAE
+        config's (`vae_config.decode_kernel` and its options: the one switch FastVideo's Wan VAE obeys). Also run
+        by the parent before a request and by the decoding stage: FastVideo may set fields after construction."""
+        check_decode_options(self.vae_frames_per_pass, self.vae_decode_tile_rows, self.vae_decode_max_memory,
+                             self.vae_decode_kernel, PAN2_NAMES)
+        vae = self.vae_config
+        vae.decode_kernel, vae.decode_frames_per_pass = self.vae_decode_kernel, self.vae_frames_per_pass
+        vae.decode_tile_rows, vae.decode_max_memory = self.vae_decode_tile_rows, self.vae_decode_max_memory
         if not getattr(self.vae_config, "use_feature_cache", True):
             raise ValueError("vae_config.use_feature_cache=False is not supported for PAN2: FastVideo 0.2.1's tiled "
                              "Wan VAE paths do not patchify/unpatchify a Wan2.2 VAE (wrong video or a crash). For "
                              "bounded decode memory use vae_decode_kernel=True with vae_decode_max_memory.")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# PAN2's own fields (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides.
-PAN2_FIELDS = ("vae_decode_kernel", "vae_frames_per_pass", "vae_decode_tile_rows", "vae_decode_max_memory")
+# PAN2's own fields (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides: the switch and the
+# options, in `check_decode_options`' order.
+PAN2_FIELDS = PAN2_NAMES = ("vae_decode_kernel", "vae_frames_per_pass", "vae_decode_tile_rows",
+                            "vae_decode_max_memory")
 
 
 def check_videos_per_request(num_videos_per_prompt) -> None:
@@ -146,9 +131,3 @@ PAN2_PRESET = InferencePreset(
         "num_inference_steps": DEFAULT_NUM_INFERENCE_STEPS,
     },
 )
-
-# `import fastvideo` inside this module's imports may have run the plugin's register() before the classes above
-# existed; it deferred itself, and finishes now.
-from fastvideo_pan2_ext import registration as _registration  # noqa: E402
-
-_registration.finish_deferred()

@@ -1,17 +1,22 @@
-"""PAN2 image-to-video for FastVideo, with a fast Wan2.2 VAE decoder.
+"""PAN2 image-to-video for FastVideo, with a fast Wan VAE decoder.
 
-Importing this package is cheap (it runs at interpreter start-up through the plugin hook's ``.pth`` file):
-FastVideo, torch and the config classes are imported only when one of these names is first used.
+Rooms (docs/design.md, "Rooms"): `plugin_loader` (FastVideo plugins, generic), `integration` (PAN2 in FastVideo: the
+one seam to FastVideo's internals, registration, CLI, pipeline and stages), `demo` (demos and the tiny checkpoint
+maker), `configs`, `attention`, `vae_kernel` (the decoder library, usable without FastVideo), `reference` (the
+definition of results), `image` and `video_io`.
+
+Importing this package is cheap: FastVideo, torch and the config classes are imported only when one of the names
+below is first used.
 """
 
-__version__ = "0.1.0"
+from fastvideo_pan2_ext.version import __version__
 
 __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "register", "__version__"]
 
 
 def register() -> None:
-    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; see `registration`)."""
-    from fastvideo_pan2_ext.registration import register as _register
+    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; see `integration.registration`)."""
+    from fastvideo_pan2_ext.integration.registration import register as _register
 
     _register()
 
@@ -22,7 +27,7 @@ def __getattr__(name: str):
 
         return PAN2PipelineConfig
     if name == "PAN2Pipeline":
-        from fastvideo_pan2_ext.pipeline import PAN2Pipeline
+        from fastvideo_pan2_ext.integration.pipeline import PAN2Pipeline
 
         return PAN2Pipeline
     raise AttributeError(f"module 'fastvideo_pan2_ext' has no attribute {name!r}")

@@ -9,11 +9,16 @@ non-streamed save of the same frames. One file holds one video: a chunk of a sec
 `write_videos_stream(chunks, paths, fps)` writes one file per sample (samples arrive one after another), and
 `write_grid_stream(per_sample_chunks, path, fps)` writes a batch into one file laid out exactly as FastVideo's save
 lays one out (the samples side by side, `torchvision.utils.make_grid(..., nrow=6)`), reading the samples in lockstep.
+
+Every file is written beside its target under `partial_path(target)` and renamed into place only when complete: a
+failed or interrupted write leaves nothing at the target (and removes the partial file when it can; whoever runs the
+writer in another process can remove it too, by the same name).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -64,14 +69,22 @@ def _items(chunks):
         yield sample, frame, chunk
 
 
+def partial_path(path) -> Path:
+    """Where a video bound for `path` is written until it is complete (beside it: the rename stays on one disk)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.partial.mp4")
+
+
 class _Mp4:
-    """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults)."""
+    """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults), under its partial
+    name until `close(complete=True)`."""
 
     def __init__(self, path, fps: float) -> None:
         import imageio  # only needed when writing
 
         self.path = Path(path)
-        self.writer = imageio.get_writer(self.path, fps=fps, format="mp4")
+        self.partial = partial_path(self.path)
+        self.writer = imageio.get_writer(self.partial, fps=fps, format="mp4")
         self.frames = 0
 
     def append(self, frame: int, images) -> None:
@@ -83,8 +96,15 @@ class _Mp4:
             self.writer.append_data(image)
             self.frames += 1
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, complete: bool) -> None:
+        """Finish the file and move it into place, or (not complete) remove it."""
+        try:
+            self.writer.close()
+        finally:
+            if complete:
+                os.replace(self.partial, self.path)
+            else:
+                self.partial.unlink(missing_ok=True)
 
 
 def _check_fps(fps) -> None:
@@ -96,14 +116,16 @@ def _write_one(path, fps: float, frames) -> int:
     """Write `frames` ((first frame, [H, W, 3] uint8 images) pairs, in order) to one mp4, opened at the first pair.
     Returns the number of frames written."""
     mp4 = None
+    complete = False
     try:
         for frame, images in frames:
             if mp4 is None:
                 mp4 = _Mp4(path, fps)
             mp4.append(frame, images)
+        complete = True
     finally:
         if mp4 is not None:
-            mp4.close()
+            mp4.close(complete)
     if mp4 is None:
         raise ValueError("no chunks to write (on a decode group, only rank 0 receives frames)")
     return mp4.frames
@@ -130,6 +152,7 @@ def write_videos_stream(chunks: Iterable, paths, fps: float) -> list[int]:
     paths = list(paths)
     written: list[int] = []
     mp4 = None
+    complete = False
     try:
         for sample, frame, chunk in _items(chunks):
             if sample >= len(paths):
@@ -139,14 +162,15 @@ def write_videos_stream(chunks: Iterable, paths, fps: float) -> list[int]:
                     raise ValueError(f"samples must come one after another; got sample {sample} after "
                                      f"{len(written)} finished or started")
                 if mp4 is not None:
-                    mp4.close()
+                    mp4.close(complete=True)
                 mp4 = _Mp4(paths[sample], fps)
                 written.append(0)
             mp4.append(frame, to_uint8_frames(chunk))
             written[-1] = mp4.frames
+        complete = True
     finally:
         if mp4 is not None:
-            mp4.close()
+            mp4.close(complete)
     return written
 
 

@@ -30,7 +30,7 @@ def tiny_checkpoint(base: Path) -> Path:
     out = base / "pan2-tiny"
     if not (out / "model_index.json").exists():
         partial = base / f"pan2-tiny.partial-{os.getpid()}"
-        proc = run([sys.executable, "-m", "fastvideo_pan2_ext.tiny", str(partial)], env_extra=OFFLINE)
+        proc = run([sys.executable, "-m", "fastvideo_pan2_ext.demo.tiny_checkpoints", str(partial)], env_extra=OFFLINE)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.strip().splitlines()[-1] == str(partial)
         partial.rename(out)  # a complete folder appears at once

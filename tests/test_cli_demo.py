@@ -8,7 +8,7 @@ import sys
 import pytest
 from _pan2_helpers import decompression_bomb_png, run
 
-from fastvideo_pan2_ext import demo
+from fastvideo_pan2_ext.demo import pan2 as demo
 
 
 def test_demo_help_lists_its_flags():

@@ -1,4 +1,5 @@
-"""WanVAEDecoder's portable path against the fp32 reference with DESIGN.md §4's allowance (release = diffusers bf16).
+"""WanVAEDecoder's portable path against the fp32 reference under the allowance (docs/design.md, "Definitions";
+release = diffusers bf16).
 
 Narrow seeded random-weight Wan2.2 models on CPU; the oracle decodes are cached per latents so each runs once.
 """

@@ -1,4 +1,4 @@
-"""`python -m fastvideo_pan2_ext.reference_demo`: reference decode -> mp4 + PNG contact sheet."""
+"""`python -m fastvideo_pan2_ext.demo.reference_decoder`: reference decode -> mp4 + PNG contact sheet."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext import reference_demo as demo
+from fastvideo_pan2_ext.demo import reference_decoder as demo
 from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes, infer_config
 
 
@@ -29,7 +29,7 @@ def _read_mp4(path):
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     result = subprocess.run(
-        [sys.executable, "-m", "fastvideo_pan2_ext.reference_demo", "--out", str(out / "clip"), "--frames", "9",
+        [sys.executable, "-m", "fastvideo_pan2_ext.demo.reference_decoder", "--out", str(out / "clip"), "--frames", "9",
          "--height", "64", "--width", "96", "--seed", "3", "--fps", "8"],
         cwd=out, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )

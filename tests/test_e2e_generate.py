@@ -37,7 +37,7 @@ DEMO_SCRIPT = textwrap.dedent("""
     fa4._current_capability = lambda: (10, 0)  # this parent pretends to drive an sm_100 GPU (flash_attn.cute: stand-in)
 
     if __name__ == "__main__":
-        from fastvideo_pan2_ext.demo import main
+        from fastvideo_pan2_ext.demo.pan2 import main
 
         sys.exit(main(sys.argv[1:]))
 """)
@@ -64,7 +64,7 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tin
                   "total"):
         assert stage in report, stage
     assert "decoder:       WanVAEDecoder (fastvideo_pan2_ext), the mp4 written while decoding" in report
-    assert "PAN2 decode: WanVAEDecoder (backend torch, frames_per_pass 2, tile_rows None, max_memory None) on cpu" in log
+    assert "fast VAE decoder: backend torch, frames_per_pass 2, tile_rows None, max_memory None, one rank on cpu" in log
     assert f"PAN2 decode: wrote {E2E_FRAMES} frames to {video} while decoding" in log
     # Decided in the parent before the worker started; the worker had it before it loaded any model.
     assert ("PAN2 attention policy: FASTVIDEO_FA4=1 (inherited or left as is); "

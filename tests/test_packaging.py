@@ -1,4 +1,4 @@
-"""The package installs under one namespace (DESIGN.md §2), from a wheel and editable alike.
+"""The package installs under one namespace (docs/design.md, "Rooms"), from a wheel and editable alike.
 
 A wheel is built offline (`pip wheel --no-deps --no-build-isolation`) from a copy of the working tree (the files git
 tracks or would track), so concurrent builds never share a `build/` folder. Its file list must be exactly the

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _pan2_helpers import forward_batch
 
-from fastvideo_pan2_ext.stream_save import STREAM_TO
+from fastvideo_pan2_ext.integration import fast_decode, streamed_save
 
 # Batch 2, odd latent height and width: 48 x 80 px frames, 9 frames (two decoder passes at frames_per_pass 2).
 LATENTS = torch.randn(2, 48, 3, 3, 5, generator=torch.Generator().manual_seed(5))
@@ -34,6 +34,7 @@ def _config(args, **fields):
     finally:
         for name, value in saved.items():
             setattr(config, name, value)
+        config.check_vae_options()  # what the next request's check does: PAN2's switch back into the VAE config
 
 
 def _stage_output(pan2, tiny_ckpt, latents, stream_to=None, **fields):
@@ -42,7 +43,7 @@ def _stage_output(pan2, tiny_ckpt, latents, stream_to=None, **fields):
     batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
     batch.latents = latents.clone()
     if stream_to is not None:
-        batch.extra[STREAM_TO] = str(stream_to)
+        batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(str(stream_to), 24)
     with _config(args, vae_frames_per_pass=2, **fields):
         return stage(batch, args).output
 
@@ -65,7 +66,7 @@ def plain(pan2, tiny_ckpt):
 
 def _budget_that_tiles(pan2) -> int:
     """A budget between one-row tiles' and the untiled decode's planned peak (so max_memory must tile)."""
-    decoder = pan2[0]._stage_name_mapping["decoding_stage"]._kernel_decoder
+    decoder = fast_decode.decoder_for(pan2[0].get_module("vae"), torch.device("cpu"))
     shape = LATENTS[:1].shape
     return int(1.3 * (decoder.peak_bytes(shape, 1) + decoder.peak_bytes(shape)) / 2)
 
@@ -83,9 +84,11 @@ def test_tiled_and_budgeted_decodes_are_the_untiled_decode(pan2, tiny_ckpt, plai
     if fields == "budget":
         fields = {"vae_decode_max_memory": _budget_that_tiles(pan2)}
     tiled = _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, **fields)
-    decoder = pan2[0]._stage_name_mapping["decoding_stage"]._kernel_decoder
-    assert decoder.plan_tile_rows(LATENTS.shape) in (1, 2)  # it really decoded in tiles
     assert torch.equal(tiled, plain)
+    with _config(pan2[1], vae_decode_kernel=True, vae_frames_per_pass=2, **fields) as config:
+        config.check_vae_options()
+        decoder = fast_decode.decoder_for(pan2[0].get_module("vae"), torch.device("cpu"))  # the one that decoded
+        assert decoder.plan_tile_rows(LATENTS.shape) in (1, 2)  # it really decoded in tiles
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -188,8 +191,8 @@ def test_fastvideos_tiled_wan_vae_paths_break_wan22_so_pan2_refuses_them(pan2):
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": 0}, r"vae_decode_tile_rows must be an int >= 1"),
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2.5}, r"vae_decode_tile_rows must be an int >= 1"),
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": True}, r"vae_decode_tile_rows must be an int >= 1"),
-    ({"vae_decode_kernel": True, "vae_decode_max_memory": "-3GiB"}, r"vae_decode_max_memory: max_memory must be"),
-    ({"vae_decode_kernel": True, "vae_decode_max_memory": 0}, r"vae_decode_max_memory: max_memory must be positive"),
+    ({"vae_decode_kernel": True, "vae_decode_max_memory": "-3GiB"}, r"vae_decode_max_memory must be"),
+    ({"vae_decode_kernel": True, "vae_decode_max_memory": 0}, r"vae_decode_max_memory must be positive"),
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2, "vae_decode_max_memory": "1GiB"}, r"not both"),
     ({"vae_decode_max_memory": "1GiB"}, r"tile the fast decoder: set vae_decode_kernel=True"),
     ({"vae_frames_per_pass": 0}, r"vae_frames_per_pass must be an int >= 1; got 0"),
@@ -228,12 +231,13 @@ def test_more_than_one_video_per_request_is_refused_before_any_work(pan2, tiny_c
 def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_stream(pan2, tiny_ckpt):
     from fastvideo.api.sampling_param import SamplingParam
 
-    from fastvideo_pan2_ext.stream_save import streams
+    from fastvideo_pan2_ext.integration.streamed_save import streams
 
     _, args = pan2
     sampling = SamplingParam.from_pretrained(str(tiny_ckpt))
     sampling.save_video, sampling.return_frames = True, False
-    with _config(args, vae_decode_kernel=True):
+    with _config(args, vae_decode_kernel=True) as config:
+        config.check_vae_options()  # as the parent does before every PAN2 request
         assert streams(args, sampling)
         for field, value in (("save_video", False), ("return_frames", True)):
             setattr(sampling, field, value)
@@ -247,27 +251,3 @@ def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_st
             finally:
                 setattr(args, field, saved)
     assert not streams(args, sampling)  # vae_decode_kernel=False: FastVideo's decode and save
-
-
-def test_a_streamed_save_cut_off_midway_leaves_no_file(pan2, tmp_path):
-    """A decode that stops after its first chunk (here: Ctrl-C in the middle) must not leave a short video behind."""
-    from fastvideo_pan2_ext.stages import PAN2DecodingStage
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-
-    decoder = WanVAEDecoder(pan2[0].get_module("vae"), device="cpu", local=True, frames_per_pass=1)
-
-    class CutOff:
-        output_shape = staticmethod(decoder.output_shape)
-
-        @staticmethod
-        def decode_iter(latents):
-            chunks = decoder.decode_iter(latents)
-            yield next(chunks)
-            raise KeyboardInterrupt
-
-    path = tmp_path / "cut.mp4"
-    with pytest.raises(KeyboardInterrupt):
-        PAN2DecodingStage._decode_to_file(CutOff, LATENTS[:1], str(path), 24)
-    assert not path.exists()
-    assert PAN2DecodingStage._decode_to_file(decoder, LATENTS[:1], str(path), 24).shape == (1, 3, 0, 48, 80)
-    assert path.stat().st_size > 0

@@ -23,7 +23,7 @@ def test_fastvideo_builds_pan2_pipeline_with_exactly_two_stages_replaced(pan2):
     from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.stages import PAN2DecodingStage, PAN2InputStage
+    from fastvideo_pan2_ext.integration.stages import PAN2DecodingStage, PAN2InputStage
 
     pipeline, args = pan2
     assert type(pipeline).__name__ == "PAN2Pipeline"
@@ -241,7 +241,7 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
                                            r"tile the fast decoder: set vae_decode_kernel=True"),
         "bad memory budget": ([*good, "--generator.pipeline.experimental.vae_decode_kernel", "true",
                                "--generator.pipeline.experimental.vae_decode_max_memory", "lots"],
-                              r"vae_decode_max_memory: max_memory must be bytes \(int\) or a string like '2GiB'"),
+                              r"vae_decode_max_memory must be bytes \(int\) or a string like '2GiB'"),
     }
 
 
@@ -283,7 +283,7 @@ def test_fa4_policy_warns_when_fastvideos_flash_attention_is_already_loaded(pan2
 def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoints(pan2, tiny_ckpt, tmp_path):
     from fastvideo.fastvideo_args import FastVideoArgs
 
-    from fastvideo_pan2_ext.checkpoint import NotPAN2CheckpointError
+    from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
 
     args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), pipeline_config=PAN2PipelineConfig())

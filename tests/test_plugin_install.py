@@ -54,7 +54,8 @@ REGISTRATION_FACTS = textwrap.dedent("""
     import fastvideo.registry as registry
     from fastvideo.api import presets
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
-    from fastvideo_pan2_ext import registration, register
+    from fastvideo_pan2_ext import register
+    from fastvideo_pan2_ext.integration import registration
     registered_by_import = registration._registered
     register(); register()  # idempotent
     info = registry._get_config_info(CHECKPOINT)
@@ -69,7 +70,7 @@ REGISTRATION_FACTS = textwrap.dedent("""
         "pipeline_for_checkpoint": info.pipeline_cls_name,
         "sampling_for_checkpoint": info.sampling_param_cls.__name__,
         "preset": presets.get_preset("pan2", "pan2").defaults,
-        "cli_patched": GenerateSubcommand.__dict__.get("_pan2_cli", False),
+        "cli_patched": getattr(GenerateSubcommand.validate, "_pan2_replacement", False),
     }))
 """)
 
@@ -77,7 +78,7 @@ REGISTRATION_FACTS = textwrap.dedent("""
 def test_wheel_installs_the_hook_and_fastvideo_then_registers_the_plugin(tmp_path, tiny_ckpt):
     wheel = _build("wheel", tmp_path / "dist")
     top_level = _unpack(wheel, tmp_path / "site")
-    assert PTH in top_level and "fastvideo_pan2_ext.fastvideo_import_hook import spec_for" in top_level[PTH]
+    assert PTH in top_level and "fastvideo_pan2_ext.plugin_loader.import_hook import spec_for" in top_level[PTH]
     proc = run([sys.executable, "-S", "-c", STARTUP_FACTS, str(tmp_path / "site")], cwd=tmp_path)
     facts = last_json_line(proc.stdout)
     assert facts == {"hook_installed": 1, "package": str(tmp_path / "site" / "fastvideo_pan2_ext" / "__init__.py"),
@@ -91,7 +92,7 @@ def test_wheel_installs_the_hook_and_fastvideo_then_registers_the_plugin(tmp_pat
     proc = run([sys.executable, "-S", "-c", code, str(tmp_path / "site")], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json_line(proc.stdout) == {
-        "registered": True, "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "registration.py"),
+        "registered": True, "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "integration" / "registration.py"),
         "same_class": True, "hook_left": [], "pan2_configs": 1,
         "first_detector": "looks_like_pan2", "config_for_checkpoint": "PAN2PipelineConfig",
         "pipeline_for_checkpoint": "PAN2Pipeline", "sampling_for_checkpoint": "PAN2SamplingParam",

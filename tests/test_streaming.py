@@ -11,8 +11,8 @@ import torch
 
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.video_io import (grid_frames, mp4_size, to_uint8_frames, write_grid_stream, write_video_stream,
-                                         write_videos_stream)
+from fastvideo_pan2_ext.video_io import (grid_frames, mp4_size, partial_path, to_uint8_frames, write_grid_stream,
+                                         write_video_stream, write_videos_stream)
 
 SHAPE = (2, 8, 3, 3, 3)  # batch 2, odd latent height: 48 x 48 px frames, 9 frames, two passes
 
@@ -57,6 +57,29 @@ def test_streamed_mp4_is_byte_identical_to_saving_the_plain_decode(plain, tmp_pa
     assert (tmp_path / "streamed.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
     frames = _frames(tmp_path / "streamed.mp4")
     assert frames.shape == (4 * SHAPE[2] - 3, 16 * SHAPE[3], 16 * SHAPE[4], 3)
+
+
+@pytest.mark.parametrize("writer", ["one", "grid", "per sample"])
+def test_a_stream_cut_off_midway_leaves_nothing_at_the_target(plain, tmp_path, writer):
+    """Ctrl-C (or any error) after the first chunk: no short video at the target, no partial file beside it; while
+    the stream runs, nothing is at the target."""
+    z, decoder, _ = plain
+    target = tmp_path / "cut.mp4"
+
+    def cut_off():
+        chunks = decoder.decode_iter(z[:1])
+        yield next(chunks)
+        assert not target.exists()
+        raise KeyboardInterrupt
+
+    write = {"one": lambda: write_video_stream(cut_off(), target, fps=24),
+             "grid": lambda: write_grid_stream([cut_off()], target, fps=24),
+             "per sample": lambda: write_videos_stream(cut_off(), [target], fps=24)}[writer]
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    assert list(tmp_path.iterdir()) == []
+    assert write_video_stream(decoder.decode_iter(z[:1]), target, fps=24) == 4 * SHAPE[2] - 3
+    assert [p.name for p in tmp_path.iterdir()] == ["cut.mp4"] and not partial_path(target).exists()
 
 
 def test_one_file_per_sample_for_a_batch(plain, tmp_path):

@@ -1,4 +1,4 @@
-"""`python -m fastvideo_pan2_ext.tiny OUT_DIR`: a PAN2 checkpoint made offline from the real component classes.
+"""`python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR`: a PAN2 checkpoint made offline from the real component classes.
 (FastVideo's own loaders reading it is proven by the in-process and e2e tests, which build pipelines from it.)"""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 from _pan2_helpers import run
 from safetensors.torch import load_file
 
-from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
+from fastvideo_pan2_ext.integration.checkpoint import check_pan2_checkpoint
 from fastvideo_pan2_ext.configs import PIPELINE_CLASS_NAME
 from fastvideo_pan2_ext.vae_kernel.architecture import infer_config
-from fastvideo_pan2_ext.tiny import PIPELINE_CLASS_NAME as TINY_CLASS_NAME
+from fastvideo_pan2_ext.demo.tiny_checkpoints import PIPELINE_CLASS_NAME as TINY_CLASS_NAME
 
 
 def test_tiny_checkpoint_has_the_diffusers_layout_fastvideo_reads(tiny_ckpt):
@@ -49,6 +49,6 @@ def test_tiny_tokenizer_was_trained_locally_and_loads_offline(tiny_ckpt):
 def test_tiny_cli_rejects_a_file_as_out_dir(tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
-    proc = run([sys.executable, "-m", "fastvideo_pan2_ext.tiny", str(target)])
+    proc = run([sys.executable, "-m", "fastvideo_pan2_ext.demo.tiny_checkpoints", str(target)])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: OUT_DIR must be a folder; {str(target)!r} is a file"

@@ -42,6 +42,33 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+OPTION_NAMES = ("backend", "frames_per_pass", "tile_rows", "max_memory")
+
+
+def check_decode_options(frames_per_pass, tile_rows, max_memory, enabled: bool = True,
+                         names: tuple[str, str, str, str] = OPTION_NAMES) -> None:
+    """ValueError naming the first bad decoder option. `names`: what the caller calls the switch that turns this
+    decoder on and the three options; `enabled`: that switch (tiling options without it are an error: nothing else
+    tiles exactly)."""
+    switch, names = names[0], names[1:]
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{switch} must be a bool; got {enabled!r}")
+    _positive_int(names[0], frames_per_pass)
+    if tile_rows is not None:
+        try:
+            _positive_int(names[1], tile_rows)
+        except ValueError:
+            raise ValueError(f"{names[1]} must be an int >= 1 (latent rows per tile) or None; got {tile_rows!r}") \
+                from None
+    if max_memory is not None:
+        memory.parse_bytes(max_memory, names[2])
+    if tile_rows is not None and max_memory is not None:
+        raise ValueError(f"set {names[1]} or {names[2]}, not both: the budget picks the tile")
+    if (tile_rows is not None or max_memory is not None) and not enabled:
+        raise ValueError(f"{names[1]} / {names[2]} tile the fast decoder: set {switch}=True (FastVideo's own Wan VAE "
+                         "decode has no exact tiling)")
+
+
 class WanVAEDecoder:
     """The fast Wan2.2 VAE decoder.
 
@@ -60,10 +87,8 @@ class WanVAEDecoder:
 
     def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int = 4, local: bool = False,
                  backend: str = "auto", tile_rows: int | None = None, max_memory: int | str | None = None) -> None:
-        self.frames_per_pass = _positive_int("frames_per_pass", frames_per_pass)
-        if tile_rows is not None and max_memory is not None:
-            raise ValueError(f"pass tile_rows or max_memory, not both; got tile_rows={tile_rows!r}, "
-                             f"max_memory={max_memory!r}")
+        check_decode_options(frames_per_pass, tile_rows, max_memory)
+        self.frames_per_pass = frames_per_pass
         self.tile_rows = None
         self.max_memory = None
         self.device = _resolve_device(device)
@@ -84,6 +109,11 @@ class WanVAEDecoder:
     @property
     def backend(self) -> str:
         return self.ops.name
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this rank receives the video (rank 0 of the decode group, or a single-rank decoder)."""
+        return self.pg is None or dist.get_rank(self.pg) == 0
 
     def enable_tiling(self, tile_rows: int) -> None:
         """Decode in tiles of `tile_rows` latent rows, one after another (exact; peak memory falls with the tile)."""

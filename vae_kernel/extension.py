@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fastvideo_pan2_ext import __version__
+from fastvideo_pan2_ext.version import __version__
 
 from . import build
 from .emulated_extension import VARIANTS as EMULATED_VARIANTS

@@ -29,21 +29,22 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_bytes(budget) -> int:
-    """A memory budget as bytes: an int (bytes) or a string such as "2GiB", "512 MiB", "3.5GB"."""
+def parse_bytes(budget, name: str = "max_memory") -> int:
+    """A memory budget as bytes: an int (bytes) or a string such as "2GiB", "512 MiB", "3.5GB" (errors call it
+    `name`)."""
     if isinstance(budget, bool):
-        raise ValueError(f"max_memory must be bytes (int) or a string like '2GiB'; got {budget!r}")
+        raise ValueError(f"{name} must be bytes (int) or a string like '2GiB'; got {budget!r}")
     if isinstance(budget, int):
         value = budget
     elif isinstance(budget, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", budget, flags=re.IGNORECASE)
         if match is None:
-            raise ValueError(f"max_memory must be bytes (int) or a string like '2GiB'; got {budget!r}")
+            raise ValueError(f"{name} must be bytes (int) or a string like '2GiB'; got {budget!r}")
         value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     else:
-        raise ValueError(f"max_memory must be bytes (int) or a string like '2GiB'; got {budget!r}")
+        raise ValueError(f"{name} must be bytes (int) or a string like '2GiB'; got {budget!r}")
     if value < 1:
-        raise ValueError(f"max_memory must be positive; got {budget!r}")
+        raise ValueError(f"{name} must be positive; got {budget!r}")
     return value
 
 

@@ -5,7 +5,7 @@ pyproject's ``[tool.setuptools.cmdclass]``). A regular build writes the file int
 an editable build (PEP 660) writes it into the editable wheel's root, which is where setuptools sends every file that
 is not part of the editable mapping. Either way pip installs it into site-packages, where ``site`` runs its one line
 at start-up. That line defines and installs `HOOK_STUB`, a ten-line finder that imports nothing (not even this
-package) until ``fastvideo`` itself is imported; then it hands over to `fastvideo_import_hook.spec_for`. A failure
+package) until ``fastvideo`` itself is imported; then it hands over to `import_hook.spec_for`. A failure
 there (say, the package half-uninstalled) removes the stub and lets FastVideo import without plugins.
 """
 
@@ -22,7 +22,7 @@ class FastVideoImportHook:
         if name != "fastvideo":
             return None
         try:
-            from fastvideo_pan2_ext.fastvideo_import_hook import spec_for
+            from fastvideo_pan2_ext.plugin_loader.import_hook import spec_for
         except Exception:
             sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "FastVideoImportHook"]
             return None

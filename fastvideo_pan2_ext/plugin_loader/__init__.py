@@ -1,7 +1,7 @@
 """FastVideo plugin loader: runs the entry points of group ``fastvideo.plugins`` once per process.
 
 FastVideo 0.2.1 has no plugin hook of its own, so this package supplies one (modelled on vLLM's
-``vllm.plugins.load_general_plugins``). `fastvideo_import_hook` calls `load_plugins()` right after ``import
+``vllm.plugins.load_general_plugins``). `import_hook` calls `load_plugins()` right after ``import
 fastvideo`` finishes, in every process that imports FastVideo, including its spawned workers.
 
 What a plugin author must know: plugins run in every process (the CLI parent and each worker), possibly more than
@@ -61,6 +61,8 @@ def load_plugins(environ=None) -> dict[str, object]:
         try:
             results[ep.name] = ep.load()()
             logger.debug("FastVideo plugin %r (%s) loaded", ep.name, ep.value)
-        except Exception:
-            logger.exception("FastVideo plugin %r (%s) failed to load; continuing without it", ep.name, ep.value)
+        except Exception as exc:  # one line; the traceback at DEBUG level
+            logger.error("FastVideo plugin %r (%s) failed to load; continuing without it: %s: %s", ep.name, ep.value,
+                         type(exc).__name__, exc)
+            logger.debug("traceback of plugin %r", ep.name, exc_info=True)
     return results

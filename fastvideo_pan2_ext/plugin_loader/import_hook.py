@@ -4,7 +4,7 @@
 puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`_build.HOOK_STUB`). It imports
 nothing and answers for one module name, ``fastvideo``: when that import happens it imports this module and calls
 `spec_for`, which removes the hook, lets the real finders locate FastVideo, and wraps the loader so that once
-``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugins.load_plugins` is called. Spawned workers are fresh
+``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugin_loader.load_plugins` is called. Spawned workers are fresh
 interpreters, so they get the hook (and the plugins) too.
 
 Only the standard library is used here.
@@ -27,7 +27,7 @@ class _RunPluginsAfterExec:
     def exec_module(self, module):
         self._loader.exec_module(module)
         try:
-            from fastvideo_pan2_ext.plugins import load_plugins
+            from fastvideo_pan2_ext.plugin_loader import load_plugins
 
             load_plugins()
         except Exception:  # the loader itself must never break `import fastvideo`

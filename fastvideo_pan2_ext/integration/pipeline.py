@@ -10,9 +10,12 @@ from fastvideo.pipelines.basic.wan.wan_pipeline import WanPipeline
 from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
 from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
-from fastvideo_pan2_ext.stages import PAN2DecodingStage, PAN2InputStage
+
+from .stages import PAN2DecodingStage, PAN2InputStage
 
 logger = logging.getLogger(__name__)
+
+REPLACED_STAGES = {"input_validation_stage": PAN2InputStage, "decoding_stage": PAN2DecodingStage}
 
 
 class PAN2Pipeline(WanPipeline):
@@ -28,6 +31,7 @@ class PAN2Pipeline(WanPipeline):
         logger.info("PAN2 attention policy: %s=%s (%s); FastVideo modules that read it already loaded: %s", ENV_VAR,
                     os.environ.get(ENV_VAR, "<unset>"), "set here" if set_here else "inherited or left as is",
                     ", ".join(loaded_fa4_readers()) or "none")
+        self.replaced_stages: set[str] = set()
         super().__init__(model_path, fastvideo_args, *args, **kwargs)
 
     def add_stage(self, stage_name, stage):
@@ -35,15 +39,15 @@ class PAN2Pipeline(WanPipeline):
             stage = PAN2InputStage()
         elif stage_name == "decoding_stage":
             stage = PAN2DecodingStage(vae=self.get_module("vae"), pipeline=self)
+        if stage_name in REPLACED_STAGES:
+            self.replaced_stages.add(stage_name)
         super().add_stage(stage_name, stage)
 
     def create_pipeline_stages(self, fastvideo_args) -> None:
         super().create_pipeline_stages(fastvideo_args)
-        replaced = {name: type(stage).__name__ for name, stage in self._stage_name_mapping.items()
-                    if name in ("input_validation_stage", "decoding_stage")}
-        if replaced != {"input_validation_stage": "PAN2InputStage", "decoding_stage": "PAN2DecodingStage"}:
-            raise RuntimeError(f"PAN2Pipeline expected FastVideo's Wan pipeline to add input_validation_stage and "
-                               f"decoding_stage; got {replaced}")
+        if self.replaced_stages != set(REPLACED_STAGES):
+            raise RuntimeError(f"PAN2Pipeline expected FastVideo's Wan pipeline to add {sorted(REPLACED_STAGES)}; it "
+                               f"added {sorted(self.replaced_stages)} of them")
 
 
 EntryClass = PAN2Pipeline

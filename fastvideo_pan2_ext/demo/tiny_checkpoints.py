@@ -1,6 +1,6 @@
 """A tiny local PAN2 checkpoint: the real component classes at toy widths, seeded random weights, no network.
 
-    python -m fastvideo_pan2_ext.tiny OUT_DIR [--seed 0]
+    python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR [--seed 0]
 
 The folder has the diffusers layout FastVideo's own loaders read (`model_index.json`, `transformer/`, `vae/`,
 `text_encoder/`, `tokenizer/`, `scheduler/scheduler_config.json`):
@@ -149,7 +149,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.tiny",
+    parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.demo.tiny_checkpoints",
                                      description="Write a tiny random-weight PAN2 checkpoint for tests and demos.")
     parser.add_argument("out_dir", help="folder to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed for every random weight (default 0)")

@@ -1,6 +1,6 @@
 """Demo: decode a latent clip with the reference Wan2.2 VAE decoder and write an mp4 plus a PNG contact sheet.
 
-    python -m fastvideo_pan2_ext.reference_demo [--out out/demo] [--frames 17] [--height 256] [--width 256] [--seed 0]
+    python -m fastvideo_pan2_ext.demo.reference_decoder [--out out/demo] [--frames 17] [--height 256] [--width 256] [--seed 0]
                                       [--dtype float32|bfloat16] [--fps 12]
 
 No checkpoint is needed: the weights are a seeded random Wan2.2-layout decoder (48 latent channels, 16x spatial and
@@ -163,7 +163,7 @@ def _positive_float(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.reference_demo",
+    parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.demo.reference_decoder",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder (default: out/demo)")
     parser.add_argument("--frames", type=_frame_count, default=17, help="video frames, 4k+1 (default: 17)")

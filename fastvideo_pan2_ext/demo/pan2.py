@@ -9,7 +9,7 @@ It prints where the video and a contact sheet of its frames are, and how long ea
 
     python -m fastvideo_pan2_ext.demo [--checkpoint DIR] [--image IMG] [--out out/] [--decoder kernel|fastvideo] ...
 
-(`python -m fastvideo_pan2_ext.reference_demo` is the other demo: the reference VAE decoder alone, no FastVideo.)
+(`python -m fastvideo_pan2_ext.demo.reference_decoder` is the other demo: the reference VAE decoder alone, no FastVideo.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SAMPLE_IMAGE = ASSETS / "sample_exif_rotated.jpg"
 
 
@@ -32,7 +32,7 @@ def default_cache_dir() -> Path:
 def ensure_tiny_checkpoint(cache_dir: Path, seed: int = 0) -> tuple[Path, bool]:
     """The tiny checkpoint in `cache_dir` (made once; a finished folder appears atomically). -> (path, made_now)."""
     from fastvideo_pan2_ext import __version__
-    from fastvideo_pan2_ext.tiny import make_tiny_checkpoint
+    from fastvideo_pan2_ext.demo.tiny_checkpoints import make_tiny_checkpoint
 
     target = cache_dir / f"pan2-tiny-{__version__}-seed{seed}"
     if (target / "model_index.json").exists():
@@ -54,7 +54,7 @@ def contact_sheet(video: Path, out: Path) -> tuple[int, tuple[int, int], float]:
     import imageio_ffmpeg
     import numpy as np
 
-    from fastvideo_pan2_ext.reference_demo import write_contact_sheet
+    from fastvideo_pan2_ext.demo.reference_decoder import write_contact_sheet
 
     reader = imageio_ffmpeg.read_frames(str(video))
     meta = next(reader)
@@ -107,7 +107,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     except ImageInputError as exc:
         parser.error(str(exc))
     if args.checkpoint is not None:
-        from fastvideo_pan2_ext.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
+        from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
 
         try:
             check_pan2_checkpoint(args.checkpoint)

@@ -1,7 +1,7 @@
 """``fastvideo generate --pipeline NAME``: choose a plugin pipeline and its defaults from the stock CLI.
 
 FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrides (``--generator.*``,
-``--request.*``). `install()` wraps its `GenerateSubcommand` so that:
+``--request.*``). `install()` extends it (through `adapter.extend_generate_cli`) so that:
 
 - ``--pipeline`` appears in ``fastvideo generate --help``;
 - without ``--pipeline`` everything is FastVideo's, unchanged;
@@ -15,27 +15,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
-_ATTR = "_fastvideo_validated_run_config"  # where FastVideo's GenerateSubcommand keeps the validated run config
+from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
+                                             check_videos_per_request)
+from fastvideo_pan2_ext.image import check_size, load_image
+
+from . import adapter
+from .checkpoint import check_pan2_checkpoint
 
 
-def _pan2_run_config(args, overrides: list[str] | None):
-    from fastvideo.api.parser import parse_config
-    from fastvideo.api.schema import RunConfig
-    from fastvideo.entrypoints.cli import inference_config as ic
-
-    from fastvideo_pan2_ext.attention import apply_fa4_policy
-    from fastvideo_pan2_ext.checkpoint import check_pan2_checkpoint
-    from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
-                                                 check_videos_per_request)
-    from fastvideo_pan2_ext.image import check_size, load_image
-
-    raw: dict[str, Any] = ic._load_nested_config(args.config) if args.config else {"generator": {}}
-    raw.setdefault("request", {})
-    raw = ic._apply_dotted_overrides(raw, overrides, allowed_prefixes=ic._GENERATE_OVERRIDE_PREFIXES)
-    ic._ensure_generate_cli_defaults(raw)
-
+def _pan2_run_config(args):
+    raw = adapter.raw_generate_config(args.config, adapter.generate_cli_overrides(args))
     generator = raw["generator"]
     model_path = generator.get("model_path")
     if not model_path:
@@ -67,9 +58,7 @@ def _pan2_run_config(args, overrides: list[str] | None):
         raise ValueError("--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE")
     load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
 
-    config = parse_config(RunConfig, raw)
-    ic._validate_num_gpus(config.generator.engine.num_gpus)
-    ic._validate_generate_prompt_sources(config)
+    config = adapter.validated_generate_config(raw)
     apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
     return config
 
@@ -82,34 +71,25 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def _add_arguments(parser) -> None:
+    parser.add_argument("--pipeline", type=str, default=None, metavar="NAME",
+                        help=f"Plugin pipeline to run, with its defaults ({', '.join(sorted(PIPELINES))}); "
+                        "--config is then optional.")
+    parser.usage = "fastvideo generate [--pipeline NAME] [--config RUN_CONFIG] [--dotted.override VALUE]"
+
+
+def _validate(args, fastvideo_validate) -> None:
+    name = getattr(args, "pipeline", None)
+    if name is None:
+        return fastvideo_validate(args)
+    if name not in PIPELINES:
+        _fail(f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
+    try:
+        adapter.hand_run_config_to_generate(args, PIPELINES[name](args))
+    except (ValueError, OSError) as exc:
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
 def install() -> None:
-    """Wrap FastVideo's `GenerateSubcommand` (idempotent)."""
-    from fastvideo.entrypoints.cli.generate import GenerateSubcommand
-
-    if getattr(GenerateSubcommand, "_pan2_cli", False):
-        return
-    original_init = GenerateSubcommand.subparser_init
-    original_validate = GenerateSubcommand.validate
-
-    def subparser_init(self, subparsers):
-        parser = original_init(self, subparsers)
-        parser.add_argument("--pipeline", type=str, default=None, metavar="NAME",
-                            help=f"Plugin pipeline to run, with its defaults ({', '.join(sorted(PIPELINES))}); "
-                            "--config is then optional.")
-        parser.usage = ("fastvideo generate [--pipeline NAME] [--config RUN_CONFIG] [--dotted.override VALUE]")
-        return parser
-
-    def validate(self, args):
-        name = getattr(args, "pipeline", None)
-        if name is None:
-            return original_validate(self, args)
-        if name not in PIPELINES:
-            _fail(f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
-        try:
-            setattr(args, _ATTR, PIPELINES[name](args, getattr(args, "_unknown", None)))
-        except (ValueError, OSError) as exc:
-            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-
-    GenerateSubcommand.subparser_init = subparser_init
-    GenerateSubcommand.validate = validate
-    GenerateSubcommand._pan2_cli = True
+    """Extend FastVideo's `generate` command (idempotent)."""
+    adapter.extend_generate_cli(_add_arguments, _validate)

@@ -1,0 +1,403 @@
+"""The one seam between this package and FastVideo's internals (docs/design.md, "FastVideo facts relied on").
+
+Every private FastVideo name this package uses and every attribute it replaces at run time is in `SEAMS`, with the
+reason, and is used through a function of this module; nothing else in the package touches FastVideo internals. An
+upgrade of FastVideo is this file to read. `check()` (run by `register()`) looks every seam up in the installed
+FastVideo and fails with one line naming the FastVideo version and the first missing symbol, instead of a traceback
+deep in a worker.
+
+The CPU-only replacements (`close_cpu_gaps`) are applied only in a process where FastVideo resolved the CPU platform
+and torch sees no CUDA device; GPU runs never get them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import sys
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+BUILT_FOR = "0.2.1"  # the FastVideo release these seams were read from
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    module: str
+    attribute: str  # dotted within the module
+    why: str
+    replaced: bool = False  # this package replaces it at run time (else it only reads or calls it)
+    mentions: str = ""  # a name the attribute's source must contain (a convention no lookup can check)
+
+
+SEAMS = (
+    Seam("fastvideo.registry", "_CONFIG_REGISTRY", "register PAN2's config once per process: look for it first"),
+    Seam("fastvideo.registry", "_MODEL_NAME_DETECTORS", "FastVideo takes the first matching checkpoint detector in "
+         "registration order; PAN2's must come before the Wan ones, which also match a PAN2 checkpoint"),
+    Seam("fastvideo.registry", "get_model_info.cache_clear", "the detector order changed after a lookup was cached"),
+    Seam("fastvideo.api.presets", "_PRESET_REGISTRY", "register the pan2 preset once per process"),
+    Seam("fastvideo.pipelines.pipeline_registry", "_import_pipeline_classes_cached", "pipeline classes come from a "
+         "cached scan of fastvideo.pipelines.basic.*, which cannot see a plugin's class: wrapped to add it",
+         replaced=True),
+    Seam("fastvideo.fastvideo_args", "FastVideoArgs.__post_init__", "FastVideo picks the pipeline class from the "
+         "checkpoint, not the config: a PAN2 config must select PAN2Pipeline (and, on CPU, turn offloads off)",
+         replaced=True),
+    Seam("fastvideo.entrypoints.cli.generate", "GenerateSubcommand.subparser_init", "adds --pipeline", replaced=True),
+    Seam("fastvideo.entrypoints.cli.generate", "GenerateSubcommand.validate", "--pipeline builds the run config",
+         replaced=True),
+    Seam("fastvideo.entrypoints.cli.main", "main", "the dotted overrides travel as args._unknown",
+         mentions="args._unknown"),
+    Seam("fastvideo.entrypoints.cli.generate", "_VALIDATED_RUN_CONFIG_ATTR", "--pipeline hands the run config it "
+         "built to generate where FastVideo's validate() leaves its own"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_load_nested_config", "--pipeline reads --config as the CLI "
+         "does"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_apply_dotted_overrides", "... and applies the dotted "
+         "overrides as the CLI does"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_GENERATE_OVERRIDE_PREFIXES", "... with the CLI's prefixes"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_ensure_generate_cli_defaults", "... and its defaults"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_validate_num_gpus", "... and its checks"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_validate_generate_prompt_sources", "... and its checks"),
+    Seam("fastvideo.entrypoints.video_generator", "VideoGenerator._generate_single_video", "FastVideo saves in the "
+         "parent after the worker returns the whole video; a streamed save is requested from here, through its "
+         "`_extra_overrides` keyword (copied into the worker's batch.extra)", replaced=True),
+    Seam("fastvideo.pipelines.stages", "DecodingStage._denormalize_latents", "the fast decoder takes latents "
+         "de-normalized exactly as FastVideo's decode does"),
+    Seam("fastvideo.configs.models.vaes", "WanVAEConfig", "gets the fast decoder's switch and options as dataclass "
+         "fields, so every Wan pipeline's config, CLI override and config file can set them", replaced=True),
+    Seam("fastvideo.models.vaes.wanvae", "AutoencoderKLWan.decode", "routed to the fast decoder when its config's "
+         "decode_kernel is on (FastVideo's decoding stage calls it with de-normalized latents)", replaced=True),
+    Seam("fastvideo.distributed.parallel_state", "get_world_group", "the ranks of a request decode one video "
+         "together over FastVideo's world group"),
+    Seam("fastvideo.distributed.parallel_state", "get_local_torch_device", "CPU only: it answers 'mps' on every "
+         "platform that is not CUDA/ROCm/NPU", replaced=True),
+    Seam("fastvideo.platforms.cpu", "CpuPlatform", "CPU only: it has no get_attn_backend_cls, so no attention "
+         "backend is ever found; it gets one answering torch SDPA", replaced=True),
+    Seam("torch", "autocast", "CPU only: stages run under autocast('cuda', bf16), a no-op without CUDA; on a "
+         "GPU-less machine 'cuda' means CPU autocast (the same mixed precision on the device that exists)",
+         replaced=True),
+    Seam("torch", "cuda.synchronize", "CPU only: FASTVIDEO_STAGE_LOGGING=1 synchronizes after every stage, which "
+         "raises without CUDA; with no CUDA device there is nothing to wait for", replaced=True),
+)
+
+# FastVideo's offloads need CUDA (the parent, too, pins its output buffer): off in GPU-less processes.
+CPU_OFFLOAD_FLAGS = ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_offload",
+                     "image_encoder_cpu_offload", "vae_cpu_offload", "pin_cpu_memory", "use_fsdp_inference")
+SDPA_BACKEND = "fastvideo.attention.backends.sdpa.SDPABackend"
+
+
+class IncompatibleFastVideo(RuntimeError):
+    """The installed FastVideo lacks a symbol this package relies on (one line: version and symbol)."""
+
+
+def fastvideo_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fastvideo")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _lookup(seam: Seam) -> Any:
+    value = importlib.import_module(seam.module)
+    for part in seam.attribute.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check() -> None:
+    """Raise IncompatibleFastVideo naming the first seam the installed FastVideo does not have."""
+    import inspect
+
+    for seam in SEAMS:
+        try:
+            found = _lookup(seam)
+            if seam.mentions and seam.mentions not in inspect.getsource(found):
+                raise AttributeError(seam.mentions)
+        except (ImportError, AttributeError, OSError, TypeError):
+            raise IncompatibleFastVideo(
+                f"fastvideo_pan2_ext needs {seam.module}.{seam.attribute} (FastVideo {BUILT_FOR}; {seam.why}), "
+                f"which FastVideo {fastvideo_version()} does not have") from None
+
+
+def _once(owner, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace `owner.name` by `make(original)`, once per process (the replacement is marked)."""
+    original = getattr(owner, name)
+    if getattr(original, "_pan2_replacement", False):
+        return
+    replacement = make(original)
+    replacement._pan2_replacement = True
+    setattr(owner, name, replacement)
+
+
+# --------------------------------------------------------------------------------------------------- registries
+
+
+def register_pipeline_config(*, pipeline_config_cls, sampling_param_cls, workload_types, detector, model_family,
+                             default_preset, pipeline_cls_name) -> None:
+    """Register a pipeline config with a checkpoint detector that goes before FastVideo's own (idempotent)."""
+    import fastvideo.registry as registry
+
+    if any(info.pipeline_config_cls is pipeline_config_cls for info in registry._CONFIG_REGISTRY.values()):
+        return
+    registry.register_configs(sampling_param_cls=sampling_param_cls, pipeline_config_cls=pipeline_config_cls,
+                              workload_types=workload_types, model_detectors=[detector], model_family=model_family,
+                              default_preset=default_preset, pipeline_cls_name=pipeline_cls_name)
+    registry._MODEL_NAME_DETECTORS.sort(key=lambda entry: entry[1] is not detector)  # stable: others keep order
+    registry.get_model_info.cache_clear()
+
+
+def register_preset(preset) -> None:
+    """Register an InferencePreset (idempotent)."""
+    from fastvideo.api import presets
+
+    if (preset.model_family, preset.name, preset.version) not in presets._PRESET_REGISTRY:
+        presets.register_preset(preset)
+
+
+def add_pipeline_class(pipeline_type: str, name: str, load_class: Callable[[], type]) -> None:
+    """Make FastVideo's pipeline registry list `load_class()` as `name` among its `pipeline_type` pipelines (the class
+    is imported only when FastVideo scans for pipelines)."""
+    import fastvideo.pipelines.pipeline_registry as pipeline_registry
+
+    def make(scan):
+        @functools.lru_cache
+        def import_pipeline_classes(pipeline_types=None):
+            classes = scan(pipeline_types)
+            if pipeline_type in classes:
+                classes[pipeline_type].setdefault(name, load_class())
+            return classes
+
+        return import_pipeline_classes
+
+    _once(pipeline_registry, "_import_pipeline_classes_cached", make)
+
+
+_args_hooks: dict[str, list[Callable]] = {"before": [], "after": []}
+
+
+def on_fastvideo_args(hook: Callable, when: str) -> None:
+    """Run `hook(args)` on every FastVideoArgs made in this process, before or after FastVideo's own __post_init__
+    (each hook once, in registration order)."""
+    from fastvideo.fastvideo_args import FastVideoArgs
+
+    if hook not in _args_hooks[when]:
+        _args_hooks[when].append(hook)
+
+    def make(original):
+        def __post_init__(self) -> None:
+            for before in _args_hooks["before"]:
+                before(self)
+            original(self)
+            for after in _args_hooks["after"]:
+                after(self)
+
+        return __post_init__
+
+    _once(FastVideoArgs, "__post_init__", make)
+
+
+# --------------------------------------------------------------------------------------------------- the CLI
+
+
+def extend_generate_cli(add_arguments: Callable, validate: Callable) -> None:
+    """`fastvideo generate`: `add_arguments(parser)` after FastVideo's own; `validate(args, original)` instead of
+    FastVideo's validation (call `original(args)` to keep it). Idempotent."""
+    from fastvideo.entrypoints.cli.generate import GenerateSubcommand
+
+    def make_init(original):
+        def subparser_init(self, subparsers):
+            parser = original(self, subparsers)
+            add_arguments(parser)
+            return parser
+
+        return subparser_init
+
+    def make_validate(original):
+        def validate_(self, args):
+            return validate(args, lambda a: original(self, a))
+
+        return validate_
+
+    _once(GenerateSubcommand, "subparser_init", make_init)
+    _once(GenerateSubcommand, "validate", make_validate)
+
+
+def generate_cli_overrides(args) -> list[str] | None:
+    """The dotted overrides `fastvideo generate` collected (FastVideo keeps them on the namespace)."""
+    return getattr(args, "_unknown", None)
+
+
+def raw_generate_config(config_path: str | None, overrides: list[str] | None) -> dict:
+    """The nested run config `fastvideo generate` builds from --config (optional here) and the dotted overrides,
+    with the CLI's defaults, before validation."""
+    from fastvideo.entrypoints.cli import inference_config as ic
+
+    raw: dict[str, Any] = ic._load_nested_config(config_path) if config_path else {"generator": {}}
+    raw.setdefault("request", {})
+    raw = ic._apply_dotted_overrides(raw, overrides, allowed_prefixes=ic._GENERATE_OVERRIDE_PREFIXES)
+    ic._ensure_generate_cli_defaults(raw)
+    return raw
+
+
+def validated_generate_config(raw: dict):
+    """`raw` parsed into FastVideo's RunConfig and checked as `fastvideo generate` checks it."""
+    from fastvideo.api.parser import parse_config
+    from fastvideo.api.schema import RunConfig
+    from fastvideo.entrypoints.cli import inference_config as ic
+
+    config = parse_config(RunConfig, raw)
+    ic._validate_num_gpus(config.generator.engine.num_gpus)
+    ic._validate_generate_prompt_sources(config)
+    return config
+
+
+def hand_run_config_to_generate(args, config) -> None:
+    """What FastVideo's own validate() leaves for its generate command: the validated run config."""
+    from fastvideo.entrypoints.cli import generate
+
+    setattr(args, generate._VALIDATED_RUN_CONFIG_ATTR, config)
+
+
+# --------------------------------------------------------------------------------------------------- generation
+
+
+def wrap_generate_single_video(wrapper: Callable) -> None:
+    """`VideoGenerator._generate_single_video` becomes `wrapper(original, generator, prompt, sampling_param,
+    fastvideo_args, **kwargs)`. Idempotent."""
+    from fastvideo.entrypoints.video_generator import VideoGenerator
+
+    def make(original):
+        @functools.wraps(original)
+        def generate_single_video(self, prompt, sampling_param=None, fastvideo_args=None, **kwargs):
+            return wrapper(original, self, prompt, sampling_param, fastvideo_args, **kwargs)
+
+        return generate_single_video
+
+    _once(VideoGenerator, "_generate_single_video", make)
+
+
+def with_batch_extra(kwargs: dict, key: str, value) -> dict:
+    """`_generate_single_video` keyword arguments that put `value` into the worker's `batch.extra[key]`."""
+    return {**kwargs, "_extra_overrides": {**kwargs.get("_extra_overrides", {}), key: value}}
+
+
+def denormalize_latents(stage, latents, fastvideo_args):
+    """Latents as FastVideo's decode hands them to the VAE (`z * std + mean` for a Wan VAE)."""
+    return stage._denormalize_latents(latents, fastvideo_args)
+
+
+# --------------------------------------------------------------------------------------------------- the Wan VAE
+
+
+def add_config_fields(fields: dict[str, tuple[Any, Any]]) -> None:
+    """Add dataclass fields (name -> (type, default)) to FastVideo's WanVAEConfig, in place (idempotent): its
+    constructor, `dataclasses.fields` (which FastVideo's config-file and CLI routes check) and pickling see them."""
+    from fastvideo.configs.models.vaes import WanVAEConfig as cls
+
+    if all(name in cls.__dataclass_fields__ for name in fields):
+        return
+    annotations = cls.__dict__["__annotations__"]
+    for f in dataclasses.fields(cls):  # the class body's own fields, as dataclass() first read them
+        if f.name in annotations:
+            setattr(cls, f.name, f)
+    for name, (annotation, default) in fields.items():
+        annotations[name] = annotation
+        setattr(cls, name, default)
+    for generated in ("__init__", "__repr__", "__eq__"):
+        if generated in cls.__dict__:
+            delattr(cls, generated)
+    p = cls.__dataclass_params__
+    dataclasses.dataclass(cls, init=p.init, repr=p.repr, eq=p.eq, order=p.order, unsafe_hash=p.unsafe_hash,
+                          frozen=p.frozen)
+
+
+def route_wan_vae_decode(switched_on: Callable[[Any], bool], fast_decode: Callable) -> None:
+    """FastVideo's `AutoencoderKLWan.decode(self, z)` calls `fast_decode(self, z)` where `switched_on(self.config)`,
+    and runs unchanged elsewhere. Idempotent."""
+    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
+
+    def make(original):
+        @functools.wraps(original)
+        def decode(self, z):
+            return fast_decode(self, z) if switched_on(self.config) else original(self, z)
+
+        return decode
+
+    _once(AutoencoderKLWan, "decode", make)
+
+
+def decode_group():
+    """The process group of the ranks that run this request together (FastVideo's world group), or None when it
+    runs on one rank."""
+    from fastvideo.distributed import parallel_state
+
+    try:
+        world = parallel_state.get_world_group()
+    except AssertionError:  # FastVideo's distributed environment is not initialized: one process
+        return None
+    return world.device_group if world.world_size > 1 else None
+
+
+# --------------------------------------------------------------------------------------------------- no GPU
+
+
+def cpu_only() -> bool:
+    """True when FastVideo resolved the CPU platform and torch sees no CUDA device."""
+    import torch
+    from fastvideo.platforms import current_platform
+
+    return current_platform.is_cpu() and not torch.cuda.is_available()
+
+
+_cpu_gaps_closed = False
+
+
+def close_cpu_gaps() -> bool:
+    """Let FastVideo run a pipeline in a GPU-less process (the CPU-only seams above); returns whether it did.
+    Idempotent; does nothing where a GPU exists."""
+    global _cpu_gaps_closed
+    if _cpu_gaps_closed:
+        return True
+    if not cpu_only():
+        return False
+    _cpu_gaps_closed = True
+
+    import fastvideo.distributed.parallel_state as parallel_state
+    import torch
+    from fastvideo.platforms.cpu import CpuPlatform
+
+    original_device_fn = parallel_state.get_local_torch_device
+
+    def get_local_torch_device() -> torch.device:
+        return torch.device("cpu")
+
+    parallel_state.get_local_torch_device = get_local_torch_device
+    for name, module in list(sys.modules.items()):  # modules that bound it with `from ... import`
+        if name.startswith("fastvideo") and getattr(module, "get_local_torch_device", None) is original_device_fn:
+            module.get_local_torch_device = get_local_torch_device
+
+    if "get_attn_backend_cls" not in CpuPlatform.__dict__:
+        CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, selected_backend, head_size, dtype: SDPA_BACKEND)
+
+    class autocast(torch.autocast):
+        """torch.autocast, with device_type "cuda" meaning "cpu" (there is no CUDA device here)."""
+
+        def __init__(self, device_type, *args, **kwargs):
+            super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    torch.autocast = autocast
+    torch.cuda.synchronize = lambda device=None: None
+    on_fastvideo_args(use_cpu_settings, "after")
+    logger.info("fastvideo_pan2_ext: no GPU; FastVideo set up to run on CPU (fastvideo_pan2_ext.integration.adapter)")
+    return True
+
+
+def use_cpu_settings(fastvideo_args) -> None:
+    """Every offload off, in place (workers receive the parent's args, already adjusted)."""
+    for flag in CPU_OFFLOAD_FLAGS:
+        if getattr(fastvideo_args, flag, False):
+            setattr(fastvideo_args, flag, False)

@@ -1,0 +1,132 @@
+"""The fast decoder inside FastVideo: every Wan VAE whose config says `decode_kernel=True` decodes through
+`vae_kernel.WanVAEDecoder` (docs/design.md, "The fast decoder in FastVideo").
+
+FastVideo's `WanVAEConfig` gets four fields (added by `adapter.add_config_fields` in every process that loads this
+plugin), off by default, set like any of its fields (Python: `pipeline_config.vae_config.decode_kernel = True`; CLI:
+`--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`):
+
+    decode_kernel: bool = False            # decode with the fast decoder
+    decode_frames_per_pass: int = 4        # latent frames per pass (memory vs speed; same video)
+    decode_tile_rows: int | None = None    # exact tiles of this many latent rows (single-rank decode)
+    decode_max_memory: int | str | None = None   # or the largest tile whose working memory fits this budget
+
+FastVideo's `AutoencoderKLWan.decode(z)` (z de-normalized, as FastVideo's decoding stage hands it over) is routed here
+when the switch is on (`adapter.route_wan_vae_decode`); everything else about the pipeline is FastVideo's. When the
+request runs on several ranks (FastVideo runs every stage on every rank, with the same latents), the ranks decode row
+bands of one video together (exact halos) and rank 0's video is the request's; the others hand FastVideo a
+placeholder of the same shape, whose values are never used (FastVideo returns rank 0's output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import weakref
+
+import torch
+
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.architecture import video_shape
+from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
+
+from . import adapter
+
+logger = logging.getLogger(__name__)
+
+# The fields added to FastVideo's WanVAEConfig: name -> (type, default); the switch, then the options in
+# `check_decode_options`' order.
+CONFIG_FIELDS = {
+    "decode_kernel": (bool, False),
+    "decode_frames_per_pass": (int, 4),
+    "decode_tile_rows": (int | None, None),
+    "decode_max_memory": (int | str | None, None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """The fast decoder's options, as a Wan VAE config holds them."""
+
+    frames_per_pass: int = 4
+    tile_rows: int | None = None
+    max_memory: int | str | None = None
+
+    @property
+    def tiled(self) -> bool:
+        return self.tile_rows is not None or self.max_memory is not None
+
+
+def options(vae_config) -> DecodeOptions | None:
+    """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field)."""
+    values = [getattr(vae_config, name, CONFIG_FIELDS[name][1]) for name in CONFIG_FIELDS]
+    check_decode_options(*values[1:], enabled=values[0], names=tuple(f"vae_config.{name}" for name in CONFIG_FIELDS))
+    return DecodeOptions(*values[1:]) if values[0] else None
+
+
+# --------------------------------------------------------------------------------------------------- layouts
+
+
+def unsupported_layout(vae_json: dict) -> str | None:
+    """Why a checkpoint's vae/config.json is a VAE the fast decoder cannot decode, or None when it can: the Wan2.2
+    layout (residual, patch size 2) and the Wan2.1 layout (plain, no patchify)."""
+    if vae_json.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
+        return f"its VAE is {vae_json.get('_class_name')!r}, not a Wan VAE (AutoencoderKLWan)"
+    residual, patch = vae_json.get("is_residual", False), vae_json.get("patch_size")
+    if (residual, patch) not in ((True, 2), (False, None), (False, 1)):
+        return f"its Wan VAE layout (is_residual {residual!r}, patch_size {patch!r}) is neither Wan2.2's nor Wan2.1's"
+    return None
+
+
+def check_fastvideo_args(args) -> None:
+    """At FastVideoArgs creation, in the process that starts the workers: bad options, or a local checkpoint whose
+    VAE the fast decoder cannot decode, are one clear error before any model loads."""
+    vae_config = getattr(args.pipeline_config, "vae_config", None)
+    if options(vae_config) is None:
+        return
+    vae_json_path = os.path.join(str(args.model_path), "vae", "config.json")
+    if os.path.isfile(vae_json_path):  # a hub id is checked when its weights load (WanVAEDecoder)
+        with open(vae_json_path, encoding="utf-8") as f:
+            reason = unsupported_layout(json.load(f))
+        if reason:
+            raise ValueError(f"vae_config.decode_kernel=True cannot decode {args.model_path!r}: {reason}")
+
+
+# --------------------------------------------------------------------------------------------------- decoding
+
+
+_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> (key, WanVAEDecoder)
+
+
+def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
+    """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
+    group (its weights are prepared from the module's own)."""
+    opts = options(vae.config) or DecodeOptions()
+    group = None if opts.tiled else adapter.decode_group()  # exact tiles are a single-rank decode
+    key = (str(device), opts, id(group))
+    cached = _decoders.get(vae)
+    if cached is None or cached[0] != key:
+        decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, frames_per_pass=opts.frames_per_pass,
+                                tile_rows=opts.tile_rows, max_memory=opts.max_memory)
+        logger.info("fast VAE decoder: backend %s, frames_per_pass %d, tile_rows %s, max_memory %s, %s on %s",
+                    decoder.backend, opts.frames_per_pass, opts.tile_rows, opts.max_memory,
+                    "one rank" if group is None else "rows split over the ranks", device)
+        cached = _decoders[vae] = (key, decoder)
+    return cached[1]
+
+
+@torch.no_grad()
+def decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """What `AutoencoderKLWan.decode(z)` returns, from the fast decoder: fp32 video in [-1, 1] (bf16 arithmetic with
+    fp32 statistics inside; FastVideo's autocast does not reach it)."""
+    with torch.autocast(z.device.type, enabled=False):
+        video = decoder_for(vae, z.device).decode(z)
+    if video is None:  # a rank other than 0: FastVideo returns rank 0's video, so values here are never used
+        return torch.zeros((), device=z.device).expand(video_shape(decoder_for(vae, z.device).config, z.shape))
+    return video.float()
+
+
+def iter_decode(vae, z: torch.Tensor):
+    """`WanVAEDecoder.decode_iter` of the fast decoder of `vae` (chunks on rank 0, None elsewhere)."""
+    return decoder_for(vae, z.device).decode_iter(z)

@@ -1,0 +1,64 @@
+"""`register()`: what the ``fastvideo.plugins`` entry point does in every FastVideo process. Idempotent.
+
+1. Checks that the installed FastVideo has every seam this package uses (`adapter.check`: one line if not).
+2. On a GPU-less machine, lets FastVideo run on CPU (`adapter.close_cpu_gaps`; nothing happens where a GPU exists).
+3. Registers `PAN2PipelineConfig` + `PAN2SamplingParam` with FastVideo's config registry, with a detector for PAN2
+   checkpoints (`checkpoint.looks_like_pan2`) ahead of FastVideo's own, pinned to the `PAN2Pipeline` class.
+4. Registers the ``pan2`` preset (sampling defaults).
+5. Adds `PAN2Pipeline` to FastVideo's ``basic`` pipelines (imported only when FastVideo builds a pipeline).
+6. Makes a `PAN2PipelineConfig` select `PAN2Pipeline` (FastVideo picks the class from the checkpoint, not the config)
+   and checks its checkpoint in the process that makes the args.
+7. Gives FastVideo's Wan VAE config the fast decoder's switch and routes its VAE's decode through the fast decoder
+   where the switch is on (`fast_decode`), with the switch's options checked when FastVideoArgs are made.
+8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`) and the streamed, atomic save (`streamed_save`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastvideo.fastvideo_args import WorkloadType
+
+from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
+                                             PAN2PipelineConfig, PAN2SamplingParam)
+
+from . import adapter, cli, fast_decode, streamed_save
+from .checkpoint import check_pan2_checkpoint, looks_like_pan2
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    adapter.check()
+    adapter.close_cpu_gaps()
+    adapter.register_pipeline_config(
+        pipeline_config_cls=PAN2PipelineConfig, sampling_param_cls=PAN2SamplingParam,
+        workload_types=(WorkloadType.I2V, ), detector=looks_like_pan2, model_family=MODEL_FAMILY,
+        default_preset=PRESET_NAME, pipeline_cls_name=PIPELINE_CLASS_NAME)
+    adapter.register_preset(PAN2_PRESET)
+    adapter.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)
+    adapter.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")
+    adapter.add_config_fields(fast_decode.CONFIG_FIELDS)
+    adapter.route_wan_vae_decode(lambda vae_config: fast_decode.options(vae_config) is not None, fast_decode.decode)
+    adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
+    cli.install()
+    streamed_save.install()
+    _registered = True
+    logger.debug("fastvideo_pan2_ext registered with FastVideo")
+
+
+def _pipeline_class() -> type:
+    from .pipeline import PAN2Pipeline  # noqa: PLC0415 - FastVideo's model code: only when a pipeline is built
+
+    return PAN2Pipeline
+
+
+def _pan2_config_selects_pan2_pipeline(args) -> None:
+    if isinstance(args.pipeline_config, PAN2PipelineConfig) and args.override_pipeline_cls_name is None:
+        check_pan2_checkpoint(args.model_path)
+        args.override_pipeline_cls_name = PIPELINE_CLASS_NAME

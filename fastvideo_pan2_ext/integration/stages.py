@@ -1,0 +1,86 @@
+"""PAN2's two pipeline stages that differ from FastVideo's Wan TI2V pipeline: reading the first frame, and decoding.
+
+- `PAN2InputStage`: FastVideo's `InputValidationStage` reads the image with EXIF transpose and sizes the first frame
+  for a fixed 480*832 area. PAN2 reads the stored pixels and sizes the frame for the requested height x width
+  (`fastvideo_pan2_ext.image`, bit-identical to the reference); everything else the stage does is FastVideo's.
+- `PAN2DecodingStage`: FastVideo's decoding stage, which decodes through the fast decoder when PAN2's
+  `vae_decode_kernel` (the Wan VAE config's `decode_kernel`) is on (`fast_decode`). A batch carrying a
+  `StreamedSaveRequest` (`streamed_save`) is written to its mp4 as it is decoded, by rank 0, instead of returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from fastvideo.distributed.parallel_state import get_local_torch_device
+from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
+from PIL import Image
+
+from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
+from fastvideo_pan2_ext.video_io import write_grid_stream
+
+from . import adapter, fast_decode, streamed_save
+
+logger = logging.getLogger(__name__)
+
+
+class PAN2InputStage(InputValidationStage):
+    """FastVideo's input validation, with PAN2's first-frame reading."""
+
+    def forward(self, batch, fastvideo_args):
+        image_path, pil_image = batch.image_path, batch.pil_image
+        check_size(batch.height, batch.width)
+        if image_path is None and pil_image is None:
+            return super().forward(batch, fastvideo_args)
+        if image_path is not None:
+            img = load_image(image_path)
+        elif isinstance(pil_image, Image.Image):
+            img = pil_image.convert("RGB")
+        else:
+            raise ImageInputError(f"pil_image must be a PIL.Image.Image; got {type(pil_image).__name__}")
+        frame = first_frame_from_image(img, batch.height, batch.width)
+
+        # FastVideo's checks and seeding, without its own image reading.
+        batch.image_path, batch.pil_image = None, None
+        batch = super().forward(batch, fastvideo_args)
+        batch.image_path = image_path
+        batch.pil_image = frame.to(self.device)  # what the denoising stage hands to the VAE encoder
+        batch.height, batch.width = frame.shape[-2], frame.shape[-1]
+        return batch
+
+
+class PAN2DecodingStage(DecodingStage):
+    """FastVideo's decoding stage (whose VAE decodes through the fast decoder when it is switched on), and the
+    streamed save."""
+
+    def forward(self, batch, fastvideo_args):
+        fastvideo_args.pipeline_config.check_vae_options()  # again: FastVideo may set fields after construction
+        request = streamed_save.request_in(batch)
+        if request is None:
+            return super().forward(batch, fastvideo_args)
+        if fast_decode.options(self.vae.config) is None:
+            raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
+        latents = adapter.denormalize_latents(self, batch.latents.to(get_local_torch_device()), fastvideo_args)
+        write_while_decoding(self.vae, latents, request)
+        _, _, _, height, width = fast_decode.decoder_for(self.vae, latents.device).output_shape(latents)
+        batch.output = streamed_save.empty_output(latents.shape[0], height, width)
+        return batch
+
+
+@torch.no_grad()
+def write_while_decoding(vae, latents: torch.Tensor, request: streamed_save.StreamedSaveRequest) -> None:
+    """Decode with the fast decoder of `vae` and write the video to `request.path` as it comes (a batch side by side,
+    as FastVideo saves one). Every rank of the decode group decodes its rows; rank 0 writes."""
+    decoder = fast_decode.decoder_for(vae, latents.device)
+    chunks = [decoder.decode_iter(latents[b:b + 1]) for b in range(latents.shape[0])]
+    start = time.perf_counter()
+    with torch.autocast(latents.device.type, enabled=False):
+        if not decoder.is_root:
+            for _ in zip(*chunks):  # in step with rank 0's writer: each step is one collective decode pass
+                pass
+            return
+        frames = write_grid_stream(chunks, request.path, request.fps)
+    logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, request.path,
+                time.perf_counter() - start)

@@ -1,0 +1,101 @@
+"""How a PAN2 video reaches its file (docs/design.md, "The streamed save"): whole or streamed, never partial.
+
+FastVideo 0.2.1 saves in the parent process (in the generator's single-video step) after the worker has decoded the
+whole video and handed it over as fp32 [B, 3, F, H, W] (481 frames at 704x1248: 5.1 GB, and once more as the
+parent's `* 255` copy). For a PAN2 request that saves its video, that step is wrapped
+(`adapter.wrap_generate_single_video`):
+
+- Streamed (the fast decoder is on, the request saves without returning frames, pixel output, local `mp` workers
+  sharing the filesystem): the parent puts a `StreamedSaveRequest` into the worker's `batch.extra[KEY]` and runs the
+  request with FastVideo's save off. `PAN2DecodingStage` on rank 0 writes the mp4 through `video_io` as the decoder
+  yields frames (byte-identical to FastVideo's save of the same frames, its batch grid layout included) and hands
+  FastVideo `empty_output(...)` in place of the frames. The parent then fills `video_path` and `size` from the file, as
+  FastVideo fills them.
+- Otherwise FastVideo saves, into `video_io.partial_path(target)`.
+
+Either way the video is written beside its target under a partial name and renamed into place only when complete; a
+failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_videos_per_request
+from fastvideo_pan2_ext.video_io import mp4_size, partial_path
+
+from . import adapter, fast_decode
+
+logger = logging.getLogger(__name__)
+
+KEY = "pan2_streamed_save"  # batch.extra key of the request
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedSaveRequest:
+    """Parent -> decoding stage: write this request's video to `path` (atomically, via video_io) at `fps`."""
+
+    path: str
+    fps: float
+
+
+def request_in(batch) -> StreamedSaveRequest | None:
+    """The streamed save the parent asked of this batch, if any."""
+    request = (batch.extra or {}).get(KEY)
+    if request is not None and not isinstance(request, StreamedSaveRequest):
+        raise TypeError(f"batch.extra[{KEY!r}] must be a StreamedSaveRequest; got {type(request).__name__}")
+    return request
+
+
+def empty_output(batch_size: int, height: int, width: int) -> torch.Tensor:
+    """What the decoding stage hands FastVideo after a streamed save: FastVideo requires a [B, 3, F, H, W] output
+    tensor, and with its own save off and no frames returned it reads nothing of it but the geometry; the frames are
+    in the file (F = 0)."""
+    return torch.empty((batch_size, 3, 0, height, width))
+
+
+def streams(fastvideo_args, sampling_param) -> bool:
+    """Whether this request's video is written by the decoding stage while it decodes."""
+    return (fast_decode.options(fastvideo_args.pipeline_config.vae_config) is not None
+            and bool(sampling_param.save_video) and not sampling_param.return_frames
+            and not sampling_param.return_trajectory_decoded
+            and fastvideo_args.output_type != "latent" and fastvideo_args.distributed_executor_backend == "mp")
+
+
+def _generate(original, generator, prompt, sampling_param, fastvideo_args, **kwargs):
+    args = fastvideo_args if fastvideo_args is not None else generator.fastvideo_args
+    if not isinstance(args.pipeline_config, PAN2PipelineConfig) or sampling_param is None:
+        return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
+    check_videos_per_request(sampling_param.num_videos_per_prompt)
+    args.pipeline_config.check_vae_options()
+    if not sampling_param.save_video or args.output_type == "latent":
+        return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
+    target = Path(kwargs["output_path"])
+    partial = partial_path(target)
+    try:
+        if streams(args, sampling_param):
+            sampling_param = copy.copy(sampling_param)
+            sampling_param.save_video = False  # the decoding stage saves
+            kwargs = adapter.with_batch_extra(kwargs, KEY, StreamedSaveRequest(str(target), sampling_param.fps))
+            result = original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
+            result["video_path"] = str(target)
+            result["size"] = mp4_size(target)
+            logger.info("Saved video to %s (written by the decoding stage while it decoded)", target)
+        else:
+            result = original(generator, prompt, sampling_param, fastvideo_args,
+                              **{**kwargs, "output_path": str(partial)})
+            os.replace(partial, target)
+            result["video_path"] = str(target)
+    finally:
+        partial.unlink(missing_ok=True)  # only there if the request failed or was interrupted
+    return result
+
+
+def install() -> None:
+    adapter.wrap_generate_single_video(_generate)

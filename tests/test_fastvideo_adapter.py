@@ -1,0 +1,67 @@
+"""The one seam to FastVideo (`integration.adapter`): it alone names FastVideo's private symbols, and a FastVideo that
+lacks one is a single error line at `register()` (docs/design.md, "FastVideo facts relied on")."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+from _pan2_helpers import run_python
+
+PACKAGE = Path(__file__).resolve().parents[1]
+ROOMS = ["fastvideo_pan2_ext", "configs", "attention", "vae_kernel", "reference.py"]
+ADAPTER = PACKAGE / "fastvideo_pan2_ext" / "integration" / "adapter.py"
+
+
+def _package_sources() -> list[Path]:
+    files = []
+    for room in ROOMS:
+        path = PACKAGE / room
+        files += [path] if path.is_file() else [p for p in path.rglob("*.py") if p.resolve().parent.name != "csrc"]
+    return sorted({p.resolve() for p in files} - {ADAPTER.resolve()})
+
+
+def test_only_the_adapter_names_fastvideo_private_symbols():
+    from fastvideo_pan2_ext.integration.adapter import SEAMS
+
+    private = {part for seam in SEAMS for part in [*seam.attribute.split("."), seam.mentions.split(".")[-1]]
+               if part.startswith("_") and not part.startswith("__")}
+    private |= {"_extra_overrides", "_unknown", "_VALIDATED_RUN_CONFIG_ATTR"}
+    assert {"_CONFIG_REGISTRY", "_generate_single_video", "_denormalize_latents"} <= private
+    offenders = []
+    for path in _package_sources():
+        text = path.read_text()
+        offenders += [f"{path.name}: {name}" for name in private if re.search(rf"\b{name}\b", text)]
+        offenders += [f"{path.name}: {m.group(0)}" for m in re.finditer(r"\bfastvideo(\.\w+)*\._[a-z]\w*", text)]
+        offenders += [f"{path.name}: {m.group(0)}" for m in
+                      re.finditer(r"from fastvideo(\.\w+)* import [^\n]*\b_[a-zA-Z]\w*", text)]
+    assert not offenders, offenders
+
+
+def test_every_seam_exists_in_the_installed_fastvideo():
+    from fastvideo_pan2_ext.integration import adapter
+
+    adapter.check()
+    assert any(seam.replaced for seam in adapter.SEAMS) and all(seam.why for seam in adapter.SEAMS)
+
+
+REMOVED = textwrap.dedent("""
+    import fastvideo, fastvideo.registry as registry
+    del registry._CONFIG_REGISTRY  # what a FastVideo that renamed it looks like
+    import fastvideo_pan2_ext.plugin_loader as loader
+    loader._plugins_loaded = False
+    loader.load_plugins(environ={})  # the entry point, as the plugin hook runs it
+    print("imported and carried on")
+""")
+
+
+def test_a_fastvideo_without_a_seam_is_one_error_line_at_register():
+    proc = run_python(REMOVED, env_extra={"FASTVIDEO_PLUGINS": ""})  # the hook loads nothing; the script does
+    assert proc.returncode == 0 and "imported and carried on" in proc.stdout, proc.stderr[-2000:]
+    output = proc.stdout + proc.stderr  # FastVideo's logging setup decides the stream
+    lines = [line for line in output.splitlines() if "fastvideo_pan2_ext needs" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert re.search(r"needs fastvideo\.registry\._CONFIG_REGISTRY \(FastVideo 0\.2\.1; .*\), which FastVideo "
+                     r"0\.2\.1 does not have", lines[0]), lines[0]
+    assert "Traceback" not in output
