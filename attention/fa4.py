@@ -3,7 +3,8 @@
 FastVideo 0.2.1 uses FA4 (``flash_attn.cute``) only with ``FASTVIDEO_FA4=1``, and reads that variable once per
 process, when its flash-attention modules are first imported (which happens while the pipeline loads the DiT). PAN2
 wants FA4 where it is the fastest correct choice: on sm_100 (Blackwell) or newer with FA4 installed. An explicit
-``FASTVIDEO_FA4`` (``0`` or anything else) is the user's choice and is always respected.
+``FASTVIDEO_FA4`` is the user's choice and is always respected; it must be ``0`` or ``1`` (FastVideo itself reads
+any value but ``0`` as on, so a typo would silently turn FA4 on: refused instead).
 
 The policy runs in the parent before workers start (they inherit the environment) and again in each worker before
 the DiT loads (`PAN2Pipeline.__init__`). Only FastVideo's platform-independent pieces and the standard library are
@@ -20,6 +21,7 @@ import sys
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "FASTVIDEO_FA4"
+ACCEPTED_VALUES = ("0", "1")
 MIN_CAPABILITY = (10, 0)  # sm_100: datacenter Blackwell and newer
 # FastVideo modules that read FASTVIDEO_FA4 when they are imported; once one is loaded, this process's choice is made.
 FA4_READERS = (
@@ -52,6 +54,7 @@ def fa4_decision(capability=None, environ=None) -> bool:
     False); `environ` defaults to ``os.environ``. Changes nothing."""
     environ = os.environ if environ is None else environ
     if ENV_VAR in environ:
+        check_env_value(environ[ENV_VAR])
         return False
     if capability is None:
         capability = _current_capability()
@@ -63,6 +66,13 @@ def fa4_decision(capability=None, environ=None) -> bool:
     if tuple(capability) < MIN_CAPABILITY:
         return False
     return fa4_importable()
+
+
+def check_env_value(value: str) -> None:
+    """ValueError unless an explicit FASTVIDEO_FA4 is one of the accepted values."""
+    if value not in ACCEPTED_VALUES:
+        raise ValueError(f"{ENV_VAR} must be unset, 0 or 1; got {value!r} (unset: PAN2 turns FA4 on where it is the "
+                         "fastest correct choice)")
 
 
 def loaded_fa4_readers() -> list[str]:

@@ -94,6 +94,18 @@ PAN2_FIELDS = PAN2_NAMES = ("vae_decode_kernel", "vae_frames_per_pass", "vae_dec
                             "vae_decode_max_memory")
 
 
+def check_frame_count(num_frames) -> None:
+    """PAN2's VAE makes one video frame from the first latent frame and four from each later one: 4k + 1 frames.
+    FastVideo would silently make the next smaller such count; say so before any work starts instead."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or num_frames % 4 != 1:
+        if isinstance(num_frames, int) and not isinstance(num_frames, bool) and num_frames > 1:
+            hint = f": ask for {num_frames - (num_frames - 1) % 4} or {num_frames - (num_frames - 1) % 4 + 4}"
+        else:
+            hint = ""
+        raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 121, ...: one frame from the first latent frame, "
+                         f"four from each later one); got {num_frames!r}{hint}")
+
+
 def check_videos_per_request(num_videos_per_prompt) -> None:
     """FastVideo 0.2.1's denoising stage asserts batch size 1: say so before any work starts."""
     if num_videos_per_prompt != 1:

@@ -31,6 +31,8 @@ def _open(path) -> Image.Image:
         raise ImageInputError(f"image file not found: {os.fspath(path)!r}")
     if not os.path.isfile(path):
         raise ImageInputError(f"image path is not a file: {os.fspath(path)!r}")
+    if os.path.getsize(path) == 0:
+        raise ImageInputError(f"image file is empty (0 bytes): {os.fspath(path)!r}")
     try:
         img = Image.open(path)
     except UnidentifiedImageError:

@@ -69,6 +69,19 @@ def _items(chunks):
         yield sample, frame, chunk
 
 
+def check_writable(path) -> None:
+    """OSError (one line) unless a video can be written at `path`: its folder is created if missing, and a real file
+    is created and removed there (mode bits are not enough: root ignores them, read-only mounts do not)."""
+    folder = Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".{Path(path).name}.probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OSError(f"cannot write the video to {folder}: {exc.strerror or exc}") from None
+
+
 def partial_path(path) -> Path:
     """Where a video bound for `path` is written until it is complete (beside it: the rename stays on one disk)."""
     path = Path(path)

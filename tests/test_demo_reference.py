@@ -14,6 +14,7 @@ from PIL import Image
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.demo import reference_decoder as demo
 from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes, infer_config
+from fastvideo_pan2_ext.video_io import to_uint8_frames
 
 
 def _read_mp4(path):
@@ -52,22 +53,24 @@ def test_demo_writes_a_contact_sheet_of_every_frame(demo_run):
     sheet = out / "reference_decode_frames.png"
     assert f"contact sheet: {sheet}" in stdout
     with Image.open(sheet) as image:
-        # 9 frames -> 3 x 3 tiles of 96 x 64 with 4-pixel gaps
+        # 9 frames -> 3 x 3 tiles of 96 x 64, each with a 12-pixel label under it, 4-pixel gaps, a caption band
         assert image.format == "PNG" and image.mode == "RGB"
-        assert image.size == (3 * (96 + 4) + 4, 3 * (64 + 4) + 4)
+        assert image.size == (3 * (96 + 4) + 4, 24 + 3 * (64 + 12 + 4) + 4)
         sheet_pixels = np.asarray(image)
-    frames = demo.to_uint8_frames(reference.decode(demo.moving_wave_latents(3, 4, 6, seed=3), demo.demo_state_dict(3)))
-    for i, frame in enumerate(frames):  # lossless: every tile is its decoded frame, in order
-        top, left = 4 + (i // 3) * (64 + 4), 4 + (i % 3) * (96 + 4)
+    frames = to_uint8_frames(reference.decode(demo.moving_wave_latents(3, 4, 6, seed=3), demo.demo_state_dict(3)))
+    for i, frame in enumerate(frames):  # lossless: every tile is its decoded frame, in order, labelled
+        top, left = 24 + (i // 3) * (64 + 12 + 4), 4 + (i % 3) * (96 + 4)
         assert np.array_equal(sheet_pixels[top : top + 64, left : left + 96], frame)
+        assert sheet_pixels[top + 64 : top + 76, left : left + 96].max() > 100  # the label's text
+    assert sheet_pixels[:24].max() > 100  # the caption
 
 
 def test_demo_mp4_is_the_reference_decode_of_its_latents(demo_run):
     out, _ = demo_run
     _, frames = _read_mp4(out / "reference_decode.mp4")
     video = reference.decode(demo.moving_wave_latents(3, 4, 6, seed=3), demo.demo_state_dict(3))
-    expected = demo.to_uint8_frames(video).astype(int)
-    other_seed = demo.to_uint8_frames(
+    expected = to_uint8_frames(video).astype(int)
+    other_seed = to_uint8_frames(
         reference.decode(demo.moving_wave_latents(3, 4, 6, seed=4), demo.demo_state_dict(4))).astype(int)
     error = np.abs(frames.astype(int) - expected).mean()
     # yuv420p halves the colour resolution, which costs about 10 / 255 on this fine-grained clip; another seed's

@@ -47,14 +47,26 @@ def _expected_wheel_files(sources: list[str]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def wheel_build(tmp_path_factory) -> tuple[Path, str]:
+    """(the wheel, pip's output while building it)."""
     tree = copy_source_tree(tmp_path_factory.mktemp("tree"))
     out = tmp_path_factory.mktemp("wheelhouse")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--quiet", "--wheel-dir", str(out), str(tree)], check=True, cwd=tree, timeout=300)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "--wheel-dir", str(out), str(tree)], cwd=tree, timeout=300, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
     wheels = list(out.glob("fastvideo_pan2_ext-*.whl"))
     assert len(wheels) == 1, wheels
-    return wheels[0]
+    return wheels[0], build.stdout + build.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_build) -> Path:
+    return wheel_build[0]
+
+
+def test_building_the_package_prints_no_setuptools_warning(wheel_build):
+    log = wheel_build[1]
+    assert "BuildBackendWarning" not in log and "SetuptoolsDeprecationWarning" not in log, log[-3000:]
 
 
 def _wheel_names(wheel: Path) -> list[str]:

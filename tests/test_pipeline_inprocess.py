@@ -215,11 +215,22 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
     (old_vae / "vae" / "config.json").write_text(json.dumps({**vae_config, "is_residual": False}))
     text = tmp_path / "text.png"
     text.write_text("hello")
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
     good = _request(tiny_ckpt, image)
     return {
         "unknown pipeline": (["--pipeline", "pan3", *good], r"unknown --pipeline 'pan3'; known pipelines: pan2"),
         "missing image": ([*good[:-1], str(tmp_path / "none.jpg")], r"image file not found: '.*none\.jpg'"),
         "unreadable image": ([*good[:-1], str(text)], r"cannot read image '.*text\.png': not a recognised"),
+        "empty image": ([*good[:-1], str(empty)], r"image file is empty \(0 bytes\): '.*empty\.jpg'"),
+        "num_frames not 4k + 1": ([*good, "--request.sampling.num_frames", "10"],
+                                  r"num_frames must be 4k \+ 1 .*; got 10: ask for 9 or 13"),
+        "output folder under a file": ([*good, "--request.output.output_path", str(a_file / "out" / "v.mp4")],
+                                       r"cannot write the video to .*a-file/out: Not a directory"),
+        "output folder on a read-only file system": ([*good, "--request.output.output_path", "/proc/pan2/v.mp4"],
+                                                     r"cannot write the video to /proc/pan2: "),
         "truncated image": ([*good[:-1], str(truncated_png(tmp_path / "cut.png"))], r"cannot read image '.*cut"),
         "decompression bomb": ([*good[:-1], str(decompression_bomb_png(tmp_path / "bomb.png", 12000, 9000))],
                                r"12000x9000 = 108 MP, over the 89 MP limit"),
@@ -248,7 +259,15 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
 def test_bad_input_gets_one_clear_error_line(pan2, tiny_ckpt, tmp_path, monkeypatch, capsys):
     import re
 
-    for case, (argv, message) in _bad_input_cases(tiny_ckpt, tmp_path).items():
+    cases = _bad_input_cases(tiny_ckpt, tmp_path)
+    monkeypatch.setenv("FASTVIDEO_FA4", "banana")
+    cases["FASTVIDEO_FA4 neither 0 nor 1"] = (_request(tiny_ckpt, tmp_path / "ok.jpg"),
+                                             r"FASTVIDEO_FA4 must be unset, 0 or 1; got 'banana'")
+    for case, (argv, message) in cases.items():
+        if case.startswith("FASTVIDEO_FA4"):
+            monkeypatch.setenv("FASTVIDEO_FA4", "banana")
+        else:
+            monkeypatch.delenv("FASTVIDEO_FA4", raising=False)
         if argv[0] != "--pipeline":
             argv = ["--pipeline", "pan2", *argv]
         code, out = _cli(monkeypatch, capsys, "generate", *argv)

@@ -49,8 +49,8 @@ def ensure_tiny_checkpoint(cache_dir: Path, seed: int = 0) -> tuple[Path, bool]:
     return target, True
 
 
-def contact_sheet(video: Path, out: Path) -> tuple[int, tuple[int, int], float]:
-    """Every frame of `video` in a grid, as one PNG. -> the video's (frame count, (width, height), fps)."""
+def contact_sheet(video: Path, out: Path, caption: str) -> tuple[int, tuple[int, int], float]:
+    """Every frame of `video` in a grid, labelled, as one PNG. -> the video's (frame count, (width, height), fps)."""
     import imageio_ffmpeg
     import numpy as np
 
@@ -60,7 +60,7 @@ def contact_sheet(video: Path, out: Path) -> tuple[int, tuple[int, int], float]:
     meta = next(reader)
     width, height = meta["size"]
     frames = np.stack([np.frombuffer(f, dtype=np.uint8).reshape(height, width, 3) for f in reader])
-    write_contact_sheet(frames, out)
+    write_contact_sheet(frames, out, meta["fps"], caption)
     return len(frames), (width, height), meta["fps"]
 
 
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     timings.append(("import FastVideo (+ PAN2 plugin)", time.perf_counter() - t))
     t = time.perf_counter()
     config = PAN2PipelineConfig(vae_decode_kernel=args.decoder == "kernel", vae_frames_per_pass=args.frames_per_pass)
-    generator = VideoGenerator.from_pretrained(str(checkpoint), pipeline_config=config, num_gpus=args.num_gpus)
+    generator = VideoGenerator.from_config({"model_path": str(checkpoint), "engine": {"num_gpus": args.num_gpus},
+                                            "pipeline": {"experimental": {"pipeline_config": config}}})
     timings.append(("start workers, load models", time.perf_counter() - t))
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     sheet = video.with_name("pan2_demo_frames.png")
-    count, (width, height), fps = contact_sheet(video, sheet)
+    weights = "tiny checkpoint, random weights: a noise-like video" if args.checkpoint is None else str(checkpoint)
+    count, (width, height), fps = contact_sheet(video, sheet, f"PAN2 on {args.image.name} ({weights})")
     timings.append(("contact sheet", time.perf_counter() - t))
     timings.append(("total", time.perf_counter() - start))
 

@@ -26,6 +26,7 @@ import torch
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes
+from fastvideo_pan2_ext.video_io import to_uint8_frames
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels
 DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU
@@ -91,12 +92,6 @@ def moving_wave_latents(latent_frames: int, latent_height: int, latent_width: in
     return z
 
 
-def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
-    """[1, 3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8."""
-    frames = (video[0].float().permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5
-    return frames.round().to(torch.uint8).numpy()
-
-
 def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
     import imageio_ffmpeg
 
@@ -111,18 +106,25 @@ def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
         writer.close()
 
 
-def write_contact_sheet(frames: np.ndarray, path: Path, columns: int | None = None, gap: int = 4) -> None:
-    """Every frame, left to right and top to bottom, on a dark background."""
-    from PIL import Image
+def write_contact_sheet(frames: np.ndarray, path: Path, fps: float, caption: str, columns: int | None = None,
+                        gap: int = 4) -> None:
+    """Every frame, left to right and top to bottom, on a dark background, each labelled with its index and time,
+    under a caption that says what the video is."""
+    from PIL import Image, ImageDraw
 
+    label = 12  # pixels of text under each frame (PIL's default bitmap font)
     count, height, width = frames.shape[:3]
     columns = columns or math.ceil(math.sqrt(count))
     rows = math.ceil(count / columns)
-    sheet = np.full((rows * (height + gap) + gap, columns * (width + gap) + gap, 3), 24, dtype=np.uint8)
+    cell_h = height + label + gap
+    sheet = Image.new("RGB", (columns * (width + gap) + gap, 2 * label + rows * cell_h + gap), (24, 24, 24))
+    draw = ImageDraw.Draw(sheet)
+    draw.text((gap, gap // 2), caption, fill=(230, 230, 230))
     for i, frame in enumerate(frames):
-        top, left = gap + (i // columns) * (height + gap), gap + (i % columns) * (width + gap)
-        sheet[top : top + height, left : left + width] = frame
-    Image.fromarray(sheet).save(path)
+        top, left = 2 * label + (i // columns) * cell_h, gap + (i % columns) * (width + gap)
+        sheet.paste(Image.fromarray(frame), (left, top))
+        draw.text((left, top + height), f"frame {i}  t={i / fps:.2f} s", fill=(200, 200, 200))
+    sheet.save(path)
 
 
 # --- command line ---------------------------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = to_uint8_frames(video)
     mp4, sheet = args.out / "reference_decode.mp4", args.out / "reference_decode_frames.png"
     write_mp4(frames, mp4, args.fps)
-    write_contact_sheet(frames, sheet)
+    write_contact_sheet(frames, sheet, args.fps, f"reference decode of a moving wave, random weights (seed {args.seed})")
     written = time.perf_counter()
 
     print(f"latents {[1, Z_DIM, *latent_shape]} -> video {list(video.shape)} ({args.dtype}, "

@@ -48,6 +48,9 @@ SEAMS = (
     Seam("fastvideo.entrypoints.cli.generate", "GenerateSubcommand.subparser_init", "adds --pipeline", replaced=True),
     Seam("fastvideo.entrypoints.cli.generate", "GenerateSubcommand.validate", "--pipeline builds the run config",
          replaced=True),
+    Seam("fastvideo.entrypoints.cli.generate", "GenerateSubcommand.cmd", "a --pipeline run ends cleanly on Ctrl-C, "
+         "SIGTERM or a dying worker (FastVideo's run leaves a traceback and, mid-save, a partial file)",
+         replaced=True),
     Seam("fastvideo.entrypoints.cli.main", "main", "the dotted overrides travel as args._unknown",
          mentions="args._unknown"),
     Seam("fastvideo.entrypoints.cli.generate", "_VALIDATED_RUN_CONFIG_ATTR", "--pipeline hands the run config it "
@@ -203,9 +206,10 @@ def on_fastvideo_args(hook: Callable, when: str) -> None:
 # --------------------------------------------------------------------------------------------------- the CLI
 
 
-def extend_generate_cli(add_arguments: Callable, validate: Callable) -> None:
-    """`fastvideo generate`: `add_arguments(parser)` after FastVideo's own; `validate(args, original)` instead of
-    FastVideo's validation (call `original(args)` to keep it). Idempotent."""
+def extend_generate_cli(add_arguments: Callable, validate: Callable, run: Callable) -> None:
+    """`fastvideo generate`: `add_arguments(parser)` after FastVideo's own; `validate(args, original)` and
+    `run(args, original)` instead of FastVideo's validation and run (call `original(args)` to keep it).
+    Idempotent."""
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
 
     def make_init(original):
@@ -222,8 +226,15 @@ def extend_generate_cli(add_arguments: Callable, validate: Callable) -> None:
 
         return validate_
 
+    def make_run(original):
+        def cmd(self, args):
+            return run(args, lambda a: original(self, a))
+
+        return cmd
+
     _once(GenerateSubcommand, "subparser_init", make_init)
     _once(GenerateSubcommand, "validate", make_validate)
+    _once(GenerateSubcommand, "cmd", make_run)
 
 
 def generate_cli_overrides(args) -> list[str] | None:

@@ -8,20 +8,29 @@ FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrid
 - ``--pipeline pan2`` makes ``--config`` optional, builds the run config from it (if given) and the dotted overrides
   exactly as FastVideo does, then selects `PAN2Pipeline` + `PAN2PipelineConfig`, fills PAN2's sampling defaults the
   user did not set, and checks the inputs (checkpoint folder, image, size) before any model loads;
-- an unknown name, or bad input, ends the command with one ``fastvideo generate: error: ...`` line (exit code 2).
+- an unknown name, or bad input, ends the command with one ``fastvideo generate: error: ...`` line (exit code 2),
+  before any model loads: the checkpoint, the image (present, non-empty, decodable, not a bomb), the size, the
+  frame count (4k + 1), FASTVIDEO_FA4, and the output folder (a real write probe);
+- a run that is interrupted (Ctrl-C, SIGTERM) or loses a worker stops the workers, leaves no video (not even a
+  partial one) and ends with one line and exit code 128 + the signal (130 for Ctrl-C), without a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
-                                             check_videos_per_request)
+                                             check_frame_count, check_videos_per_request)
 from fastvideo_pan2_ext.image import check_size, load_image
+from fastvideo_pan2_ext.video_io import check_writable
 
-from . import adapter
+from . import adapter, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
@@ -59,6 +68,9 @@ def _pan2_run_config(args):
     load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
 
     config = adapter.validated_generate_config(raw)
+    check_frame_count(config.request.sampling.num_frames)
+    output_path = config.request.output.output_path  # a file (.mp4) or a folder FastVideo names the file in
+    check_writable(output_path if output_path.endswith(".mp4") else Path(output_path) / "video.mp4")
     apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
     return config
 
@@ -90,6 +102,63 @@ def _validate(args, fastvideo_validate) -> None:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
+_ENDINGS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated",
+            signal.SIGQUIT: "a worker failed (its error is above)"}
+
+
+def _run(args, fastvideo_run) -> None:
+    if getattr(args, "pipeline", None) is None:
+        return fastvideo_run(args)
+    with _ends_cleanly():
+        return fastvideo_run(args)
+
+
+@contextlib.contextmanager
+def _ends_cleanly():
+    """Ctrl-C, SIGTERM and SIGQUIT (FastVideo's worker sends it to the parent when it fails) end the run here: the
+    workers are stopped, no video (not even a partial one) is left, one line is printed, the exit code is
+    128 + the signal."""
+    received: list[int] = []
+
+    def interrupt(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    def end(message: str, code: int):
+        for s in _ENDINGS:  # a second Ctrl-C while stopping must not leave half a cleanup
+            signal.signal(s, signal.SIG_IGN)
+        _stop_workers()
+        streamed_save.remove_left_partials()
+        print(f"fastvideo generate: {message}; no video written", file=sys.stderr)
+        return SystemExit(code)
+
+    previous = {s: signal.signal(s, interrupt) for s in _ENDINGS}
+    try:
+        yield
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
+        raise end(_ENDINGS[signum], 128 + signum) from None
+    except RuntimeError as exc:
+        if not isinstance(exc.__cause__, (EOFError, ConnectionError)):  # FastVideo lost the pipe to a worker
+            raise
+        raise end("a worker process died", 1) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_workers(timeout_s: float = 5.0) -> None:
+    """Terminate this process's children (FastVideo's workers: they clean up on SIGTERM), then kill stragglers."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
 def install() -> None:
     """Extend FastVideo's `generate` command (idempotent)."""
-    adapter.extend_generate_cli(_add_arguments, _validate)
+    adapter.extend_generate_cli(_add_arguments, _validate, _run)

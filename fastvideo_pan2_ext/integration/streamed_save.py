@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_videos_per_request
-from fastvideo_pan2_ext.video_io import mp4_size, partial_path
+from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_count, check_videos_per_request
+from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path
 
 from . import adapter, fast_decode
 
@@ -73,16 +73,21 @@ def _generate(original, generator, prompt, sampling_param, fastvideo_args, **kwa
     if not isinstance(args.pipeline_config, PAN2PipelineConfig) or sampling_param is None:
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
     check_videos_per_request(sampling_param.num_videos_per_prompt)
+    check_frame_count(sampling_param.num_frames)
     args.pipeline_config.check_vae_options()
     if not sampling_param.save_video or args.output_type == "latent":
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
     target = Path(kwargs["output_path"])
+    check_writable(target)
     partial = partial_path(target)
+    _in_flight.add(partial)
     try:
         if streams(args, sampling_param):
             sampling_param = copy.copy(sampling_param)
             sampling_param.save_video = False  # the decoding stage saves
             kwargs = adapter.with_batch_extra(kwargs, KEY, StreamedSaveRequest(str(target), sampling_param.fps))
+            logger.info("PAN2: the video is saved to %s by the decoding stage while it decodes (FastVideo's own save "
+                        "is off for this request, hence 'save_video: False' below)", target)
             result = original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
             result["video_path"] = str(target)
             result["size"] = mp4_size(target)
@@ -94,7 +99,19 @@ def _generate(original, generator, prompt, sampling_param, fastvideo_args, **kwa
             result["video_path"] = str(target)
     finally:
         partial.unlink(missing_ok=True)  # only there if the request failed or was interrupted
+    _in_flight.discard(partial)  # done: a failed request's stays listed until its workers are stopped
     return result
+
+
+_in_flight: set[Path] = set()  # partial files of this process's requests that have not completed
+
+
+def remove_left_partials() -> None:
+    """Remove the partial files of requests that did not complete (once their workers are stopped, nothing writes
+    them any more)."""
+    for partial in list(_in_flight):
+        partial.unlink(missing_ok=True)
+        _in_flight.discard(partial)
 
 
 def install() -> None:

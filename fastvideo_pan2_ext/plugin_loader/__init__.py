@@ -8,13 +8,16 @@ What a plugin author must know: plugins run in every process (the CLI parent and
 once across processes, so ``register()`` functions must be idempotent and cheap.
 
 ``FASTVIDEO_PLUGINS`` filters them: unset loads every installed plugin; a comma-separated list of entry-point names
-loads only those (``FASTVIDEO_PLUGINS=`` loads none).
+loads only those (``FASTVIDEO_PLUGINS=`` loads none). A plugin's pipeline is named like its entry point, so
+``fastvideo generate --pipeline NAME`` for an installed plugin the filter left out ends with one line saying so (without
+the plugin nothing adds ``--pipeline``, and FastVideo would only ask for ``--config``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 PLUGINS_GROUP = "fastvideo.plugins"
 PLUGINS_ENV = "FASTVIDEO_PLUGINS"
@@ -30,6 +33,21 @@ def _selected(environ) -> set[str] | None:
     if raw is None:
         return None
     return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def _refuse_cli_pipeline_of(filtered_out: set[str], environ) -> None:
+    """`fastvideo generate --pipeline NAME` with NAME's plugin filtered out: one error line, exit code 2."""
+    argv = sys.argv
+    if len(argv) < 2 or os.path.basename(argv[0]) != "fastvideo" or argv[1] != "generate":
+        return
+    names = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--pipeline"]
+    names += [arg.partition("=")[2] for arg in argv if arg.startswith("--pipeline=")]
+    for name in names:
+        if name in filtered_out:
+            print(f"fastvideo generate: error: --pipeline {name}: the {name!r} plugin is installed but "
+                  f"{PLUGINS_ENV}={environ.get(PLUGINS_ENV)!r} leaves it out (unset {PLUGINS_ENV} or list "
+                  f"{name} in it)", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def load_plugins(environ=None) -> dict[str, object]:
@@ -52,6 +70,8 @@ def load_plugins(environ=None) -> dict[str, object]:
     if allowed is not None:
         logger.debug("%s=%s: loading only %s", PLUGINS_ENV, environ.get(PLUGINS_ENV), sorted(allowed))
 
+    if allowed is not None:
+        _refuse_cli_pipeline_of({ep.name for ep in discovered} - allowed, environ)
     results: dict[str, object] = {}
     seen: set[str] = set()
     for ep in discovered:
