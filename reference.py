@@ -1,9 +1,9 @@
-"""The definition of PAN2's results: the reference Wan2.2 VAE decoder and the reference first-frame reading.
+"""The definition of PAN2's results: the reference Wan VAE decoder and the reference first-frame reading.
 
-`decode` is the plain-PyTorch Wan2.2 VAE decoder. It replays, op for op and in the same order, what diffusers'
-`AutoencoderKLWan.decode(z).sample` computes, so the two are bit-identical (`torch.equal`) for the same weights, in
-fp32 and in bf16, at the same thread count. It is written for reading against the math, not for speed: the fast
-decoders in `fastvideo_pan2_ext.vae_kernel` are checked against it.
+`decode` is the plain-PyTorch Wan VAE decoder, in the Wan2.2 layout (PAN2's) and the Wan2.1 layout alike. It
+replays, op for op and in the same order, what diffusers' `AutoencoderKLWan.decode(z).sample` computes, so the two are
+bit-identical (`torch.equal`) for the same weights, in fp32 and in bf16, at the same thread count. It is written for
+reading against the math, not for speed: the fast decoders in `fastvideo_pan2_ext.vae_kernel` are checked against it.
 
 `load_first_frame` is Wan2.2's own image-to-video preprocessing of the first frame (docs/design.md, "Definitions").
 
@@ -138,15 +138,16 @@ def _dup_up(x, out_channels: int, factor_t: int, factor_s: int, first_chunk: boo
 
 
 def _up_block(p, c: WanVAEConfig, i: int, x, cache: _CausalCache, first_chunk: bool) -> torch.Tensor:
-    name = f"decoder.up_blocks.{i}"
+    """diffusers' `WanResidualUpBlock` (Wan2.2: + the DupUp shortcut) or `WanUpBlock` (Wan2.1: none)."""
     up = i != len(c.dim_mult) - 1
     temporal = up and c.temperal_upsample[i]
-    x_copy = x.clone()
+    x_copy = x
     for j in range(c.num_res_blocks + 1):
-        x = _residual_block(p, f"{name}.resnets.{j}", x, cache)
+        x = _residual_block(p, f"decoder.up_blocks.{i}.resnets.{j}", x, cache)
     if up:
-        x = _upsample(p, f"{name}.upsampler", x, cache, temporal)
-        x = x + _dup_up(x_copy, c.dims[i + 1], 2 if temporal else 1, 2, first_chunk)
+        x = _upsample(p, c.upsampler(i), x, cache, temporal)
+        if c.residual:
+            x = x + _dup_up(x_copy, c.level_widths(i)[2], 2 if temporal else 1, 2, first_chunk)
     return x
 
 
@@ -173,7 +174,8 @@ def _unpatchify(x, patch_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(z: torch.Tensor, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode latents `z` [B, z_dim, T, h, w] (already de-normalized) into a video [B, 3, 4T-3, 16h, 16w] in [-1, 1].
+    """Decode latents `z` [B, z_dim, T, h, w] (already de-normalized) into a video [B, 3, 4T-3, s*h, s*w] in [-1, 1]
+    (s = 16 for Wan2.2, 8 for Wan2.1).
 
     Bit-identical to `AutoencoderKLWan(...).to(dtype).decode(z.to(dtype)).sample` for the same weights.
     Runs on `z.device`; the weights are cast to `dtype` and moved there.

@@ -2,6 +2,7 @@
 
 The Wan2.2 layout (`is_residual=True`, `patch_size=2`, 12 in/out channels) at narrow widths: the real model has
 `base_dim 160, decoder_base_dim 256, z_dim 48`; these default to 8 / 8 / 8, which decodes in well under a second.
+The Wan2.1 layout (`is_residual=False`, no patchify, 3 channels; real `base_dim 96, z_dim 16`) likewise at 8 / 8.
 Every parameter is overwritten with seeded noise so that no layer is an identity or a zero: convs get randn scaled by
 1/sqrt(fan_in) (activations stay O(1) through the whole decoder), biases 0.1 x randn, RMS-norm gammas 1 + 0.1 x randn.
 

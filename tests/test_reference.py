@@ -1,8 +1,9 @@
 """`reference.decode` against its definition: diffusers 0.42.x `AutoencoderKLWan.decode(z).sample`, bit for bit.
 
-The oracle is the real diffusers model of the Wan2.2 layout (`is_residual=True`, `patch_size=2`) at narrow widths
-(base_dim 8, z_dim 8, dim_mult [1, 2, 4, 4], num_res_blocks 2) with every parameter seeded random (tests/_vae_helpers.py),
-and the same weights handed to `reference.decode` as a state dict.
+The oracles are the real diffusers models of both layouts at narrow widths (base_dim 8, z_dim 8, dim_mult [1, 2, 4, 4],
+num_res_blocks 2) with every parameter seeded random (tests/_vae_helpers.py), and the same weights handed to
+`reference.decode` as a state dict: Wan2.2 (`is_residual=True`, `patch_size=2`, 16x) and Wan2.1 (`is_residual=False`,
+no patchify, 8x; its up blocks have no DupUp shortcut and its upsamplers halve the width).
 
 Bit-exactness matrix (`torch.equal`), latents seeded standard normal (about 7 % of the output saturates, so the final
 clamp is exercised too); latent sizes h x w: 3 x 5 (odd, wide), 7 x 4 (odd, tall), 4 x 4 (even, square), i.e.
@@ -11,8 +12,8 @@ different latents.
     float32   the full product T x batch x size: 4 x 2 x 3 = 24 cases
     bfloat16  every (T, batch) pair once, sizes rotating so each size meets both batches and two or three T: 8 cases
               T1-B1 7x4, T1-B2 3x5, T2-B1 3x5, T2-B2 4x4, T3-B1 4x4, T3-B2 7x4, T5-B1 7x4, T5-B2 3x5
-CPU bf16 convs are slow (the full bf16 product alone takes minutes on 2 cores), so the default run covers bf16 this
-way; `PAN2_FULL_DECODE_MATRIX=1` runs the full product in both dtypes (48 cases).
+each for both layouts. CPU bf16 convs are slow (the full bf16 product alone takes minutes on 2 cores), so the default
+run covers bf16 this way; `PAN2_FULL_DECODE_MATRIX=1` runs the full product in both dtypes (48 cases per layout).
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ import torch
 
 from _vae_helpers import diffusers_decode, make_wan21_vae, random_latents, random_wan22_decoder_weights
 from fastvideo_pan2_ext import reference
+from fastvideo_pan2_ext.vae_kernel.architecture import (WAN21_CONFIG, WAN22_CONFIG, decoder_state_dict,
+                                                        expected_shapes, infer_config)
 from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32
 
 Z_DIM = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCALE = {"wan22": 16, "wan21": 8}  # video pixels per latent pixel
 FRAMES = (1, 2, 3, 5)
 BATCHES = (1, 2)
 SIZES = ((3, 5), (7, 4), (4, 4))
@@ -46,9 +50,21 @@ else:
 
 
 @pytest.fixture(scope="module")
-def oracles(wan22_vae):
-    """The diffusers model cast once per dtype (a cast is in place, so each dtype gets its own copy)."""
-    return {name: copy.deepcopy(wan22_vae).to(dtype) for name, dtype in DTYPES.items()}
+def wan21_vae():
+    return make_wan21_vae(seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(wan22_vae, wan22_state_dict, wan21_vae):
+    """(diffusers model, its state dict) per layout."""
+    return {"wan22": (wan22_vae, wan22_state_dict), "wan21": (wan21_vae, wan21_vae.state_dict())}
+
+
+@pytest.fixture(scope="module")
+def oracles(models):
+    """Each diffusers model cast once per dtype (a cast is in place, so each gets its own copy)."""
+    return {(layout, name): copy.deepcopy(vae).to(dtype) for layout, (vae, _) in models.items()
+            for name, dtype in DTYPES.items()}
 
 
 def _decoder_only(state_dict):
@@ -58,19 +74,21 @@ def _decoder_only(state_dict):
 # --- bit-exactness ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", SCALE)
 @pytest.mark.parametrize(
     "dtype_name, frames, batch, size", MATRIX, ids=[f"{d}-T{t}-B{b}-{h}x{w}" for d, t, b, (h, w) in MATRIX]
 )
-def test_decode_is_bit_exact_with_diffusers(oracles, wan22_state_dict, dtype_name, frames, batch, size):
+def test_decode_is_bit_exact_with_diffusers(oracles, models, layout, dtype_name, frames, batch, size):
     dtype = DTYPES[dtype_name]
     h, w = size
     z = random_latents((batch, Z_DIM, frames, h, w), seed=FULL_PRODUCT.index((dtype_name, frames, batch, size)))
 
-    expected = diffusers_decode(oracles[dtype_name], z, dtype)
-    video = reference.decode(z, wan22_state_dict, dtype)
+    expected = diffusers_decode(oracles[layout, dtype_name], z, dtype)
+    video = reference.decode(z, models[layout][1], dtype)
 
     assert video.dtype == dtype
-    assert video.shape == (batch, 3, 4 * frames - 3, 16 * h, 16 * w)
+    s = SCALE[layout]
+    assert video.shape == (batch, 3, 4 * frames - 3, s * h, s * w)
     assert torch.equal(video, expected), (
         f"max |reference - diffusers| = {(video.float() - expected.float()).abs().max().item()}"
     )
@@ -102,7 +120,7 @@ def test_output_is_clamped_to_unit_range(oracles, wan22_state_dict):
     assert video.min().item() == -1.0 and video.max().item() == 1.0
     assert (video.abs() == 1.0).float().mean().item() > 0.5
 
-    vae = copy.deepcopy(oracles["fp32"])
+    vae = copy.deepcopy(oracles["wan22", "fp32"])
     vae.load_state_dict(loud)
     assert torch.equal(video, diffusers_decode(vae, z, torch.float32))
 
@@ -257,9 +275,75 @@ def test_conv_out_without_a_patchified_channel_count_raises(wan22_state_dict):
         reference.decode(random_latents((1, Z_DIM, 1, 2, 2), seed=0), sd)
 
 
-def test_wan21_layout_state_dict_is_refused():
-    sd = make_wan21_vae(seed=1).state_dict()
-    with pytest.raises(ValueError, match=r"Wan2.1-layout VAE \(is_residual=False\)"):
+# --- the Wan2.1 layout --------------------------------------------------------------------------------------------
+
+
+def test_infer_config_reads_the_real_wan21_and_wan22_decoders():
+    """Full-size diffusers models (on the meta device: shapes, no data) give the configs, and `expected_shapes` names
+    every decoder tensor of each with its shape."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        wan21 = AutoencoderKLWan()  # diffusers' defaults are the Wan2.1 VAE
+        wan22 = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, patch_size=2,
+                                 in_channels=12, out_channels=12, scale_factor_spatial=16)
+    for vae, config, scale in ((wan21, WAN21_CONFIG, 8), (wan22, WAN22_CONFIG, 16)):
+        sd = decoder_state_dict(vae.state_dict())
+        assert infer_config(sd) == config and config.spatial_scale == scale
+        assert {name: tuple(t.shape) for name, t in sd.items()} == expected_shapes(config)
+    assert [WAN21_CONFIG.level_widths(i) for i in range(4)] == [(384, 384, 192), (192, 384, 192), (192, 192, 96),
+                                                                (96, 96, 96)]
+
+
+def test_expected_shapes_follow_the_wan21_decoders_execution_order(wan21_vae):
+    """The modules diffusers runs for a later latent frame (the first skips the time convs), after post_quant_conv,
+    are `expected_shapes`' order (a resnet counted as one step: diffusers runs its 1x1 shortcut first, the list
+    names it last)."""
+    def step(name):
+        parts = name.split(".")
+        return ".".join(parts[:parts.index("resnets") + 2] if "resnets" in parts else parts[:-1])
+
+    vae = copy.deepcopy(wan21_vae)
+    order = []
+    for name, module in vae.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(lambda m, args, name=name: order.append(step(f"{name}.weight")))
+    diffusers_decode(vae, random_latents((1, Z_DIM, 2, 1, 1), seed=0), torch.float32)
+    second_frame = order[len(order) - 1 - order[::-1].index("decoder.conv_in"):]
+    expected = dict.fromkeys(step(name) for name in expected_shapes(infer_config(wan21_vae.state_dict())))
+    assert [order[0], *dict.fromkeys(second_frame)] == list(expected)
+
+
+@pytest.mark.parametrize("missing", ["decoder.up_blocks.0.upsamplers.0.time_conv.bias",
+                                     "decoder.up_blocks.1.resnets.0.conv_shortcut.weight",
+                                     "decoder.up_blocks.2.upsamplers.0.resample.1.weight"])
+def test_wan21_missing_weight_raises_a_value_error_naming_it(models, missing):
+    sd = {k: v for k, v in models["wan21"][1].items() if k != missing}
+    with pytest.raises(ValueError, match=re.escape(f"'{missing}'")):
+        reference.decode(random_latents((1, Z_DIM, 1, 2, 2), seed=0), sd)
+
+
+@pytest.mark.parametrize(
+    "name, shape, expected",
+    [
+        ("decoder.up_blocks.0.upsamplers.0.resample.1.weight", (32, 32, 3, 3), [16, 32, 3, 3]),  # keeps the width
+        ("decoder.up_blocks.1.resnets.0.conv1.weight", (32, 32, 3, 3, 3), [32, 16, 3, 3, 3]),  # reads the full width
+        ("decoder.conv_out.weight", (3, 16, 3, 3, 3), [3, 8, 3, 3, 3]),
+    ],
+)
+def test_wan21_misshapen_weight_raises_a_value_error_naming_it(models, name, shape, expected):
+    sd = dict(models["wan21"][1])
+    sd[name] = torch.zeros(shape)
+    with pytest.raises(ValueError, match=re.escape(f"state_dict[{name!r}] has shape {list(shape)}; expected "
+                                                   f"{expected}")):
+        reference.decode(random_latents((1, Z_DIM, 1, 2, 2), seed=0), sd)
+
+
+def test_state_dict_mixing_the_two_layouts_is_refused(models):
+    sd = dict(models["wan21"][1])
+    sd["decoder.up_blocks.0.upsampler.resample.1.weight"] = torch.zeros(32, 32, 3, 3)
+    with pytest.raises(ValueError, match=r"tensors this architecture does not use: "
+                                         r"\['decoder.up_blocks.0.upsampler.resample.1.weight'\]"):
         reference.decode(random_latents((1, Z_DIM, 1, 2, 2), seed=0), sd)
 
 

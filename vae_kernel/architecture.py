@@ -1,6 +1,10 @@
 """The Wan VAE decoder's architecture as its weights determine it: the config, every tensor it reads, and the input
 contract. One definition, imported by the reference decoder (the oracle) and the fast decoder alike.
 
+Two layouts (diffusers' `WanDecoder3d`): Wan2.2's (`is_residual=True`: up blocks with a DupUp shortcut, upsamplers
+that keep the width, a patchified 12-channel output) and Wan2.1's (`is_residual=False`: plain up blocks whose
+upsampler halves the width, 3 output channels, no patchify).
+
 The decoder is read from the weights, so narrow random-weight models of the real layout work on CPU in tests.
 """
 
@@ -16,18 +20,32 @@ import torch
 class WanVAEConfig:
     """The decoder's shape, as far as the weights determine it (diffusers' names)."""
 
-    z_dim: int  # latent channels (48 for Wan2.2)
-    decoder_base_dim: int  # 256 for Wan2.2
+    z_dim: int  # latent channels (48 for Wan2.2, 16 for Wan2.1)
+    decoder_base_dim: int  # 256 for Wan2.2, 96 for Wan2.1
     dim_mult: tuple[int, ...]  # (1, 2, 4, 4)
     num_res_blocks: int  # 2
     temperal_upsample: tuple[bool, ...]  # (True, True, False): per upsampling level, in the decoder's order
-    out_channels: int  # channels before unpatchify (12 = 3 x 2 x 2)
-    patch_size: int  # 2 for Wan2.2
+    out_channels: int  # channels before unpatchify (12 = 3 x 2 x 2; 3 for Wan2.1)
+    patch_size: int  # 2 for Wan2.2, 1 for Wan2.1
+    residual: bool = True  # diffusers' is_residual: True for Wan2.2, False for Wan2.1
 
     @property
     def dims(self) -> list[int]:
-        """Channel width at the decoder's input and after each up block."""
+        """diffusers' `dims`: conv_in's width, then each up block's resnets' width."""
         return [self.decoder_base_dim * m for m in (self.dim_mult[-1], *self.dim_mult[::-1])]
+
+    def level_widths(self, i: int) -> tuple[int, int, int]:
+        """(input, resnets, output) widths of up block i. Wan2.1's upsamplers halve the width (diffusers' default
+        `upsample_out_dim`), so each later block reads half its predecessor's resnet width; the last block has no
+        upsampler."""
+        cin, cout = self.dims[i], self.dims[i + 1]
+        if self.residual:
+            return cin, cout, cout
+        return (cin if i == 0 else cin // 2), cout, (cout if i == len(self.dim_mult) - 1 else cout // 2)
+
+    def upsampler(self, i: int) -> str:
+        """The weight-name prefix of up block i's upsampler."""
+        return upsampler_name(i, self.residual)
 
     @property
     def spatial_scale(self) -> int:
@@ -38,6 +56,14 @@ class WanVAEConfig:
 # The Wan2.2 TI2V-5B VAE's decoder (PAN2's).
 WAN22_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=256, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                             temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+# The Wan2.1 VAE's decoder (diffusers' `AutoencoderKLWan()` defaults): 8x spatial, 4x temporal, plain RGB out.
+WAN21_CONFIG = WanVAEConfig(z_dim=16, decoder_base_dim=96, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                            temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
+
+
+def upsampler_name(i: int, residual: bool) -> str:
+    """Up block i's upsampler as diffusers names it: `upsampler` (Wan2.2) or `upsamplers.0` (Wan2.1)."""
+    return f"decoder.up_blocks.{i}." + ("upsampler" if residual else "upsamplers.0")
 
 
 def video_frames(latent_frames: int) -> int:
@@ -71,9 +97,8 @@ def _require_present(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     """Read the decoder's architecture from its weights and check every weight the decoder uses (ValueError naming
-    the first missing, misshapen or unexpected tensor).
-
-    Only the Wan2.2 layout (`is_residual=True`, a patchified output) is supported: that is the VAE PAN2 ships.
+    the first missing, misshapen or unexpected tensor). Either layout: Wan2.1's names its upsamplers
+    `upsamplers.0`, Wan2.2's `upsampler`.
     """
     sd = decoder_state_dict(state_dict)
     if "decoder.conv_in.weight" not in sd:
@@ -83,8 +108,7 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
         raise ValueError(f"state_dict['decoder.conv_in.weight'] must be 5-D; got shape {list(conv_in.shape)}")
     top, z_dim = conv_in.shape[0], conv_in.shape[1]
 
-    if any(".upsamplers." in k for k in sd):
-        raise ValueError("state_dict is a Wan2.1-layout VAE (is_residual=False); only the Wan2.2 layout is supported")
+    residual = not any(".upsamplers." in k for k in sd)
     levels = sorted({int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks.")})
     if not levels or levels != list(range(len(levels))):
         raise ValueError(f"state_dict has decoder.up_blocks indices {levels}; expected 0..N-1")
@@ -100,10 +124,10 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     if top != base * dim_mult[-1]:
         raise ValueError(f"decoder.conv_in has {top} output channels; expected {base * dim_mult[-1]}")
     # One entry per upsampling level (all but the last); a level upsamples in time iff it has a time_conv.
-    temperal_upsample = tuple(any(k.startswith(f"decoder.up_blocks.{i}.upsampler.time_conv.") for k in sd)
+    temperal_upsample = tuple(any(k.startswith(f"{upsampler_name(i, residual)}.time_conv.") for k in sd)
                               for i in levels[:-1])
     if sum(temperal_upsample) != 2:
-        raise ValueError(f"decoder upsamples in time at {sum(temperal_upsample)} levels; Wan2.2's 4x temporal "
+        raise ValueError(f"decoder upsamples in time at {sum(temperal_upsample)} levels; the Wan VAE's 4x temporal "
                          "compression needs 2")
 
     out_channels = _require_present(sd, "decoder.conv_out.weight").shape[0]
@@ -111,7 +135,8 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     if patch_size * patch_size * 3 != out_channels:
         raise ValueError(f"decoder.conv_out has {out_channels} output channels; expected 3 x p x p")
 
-    config = WanVAEConfig(z_dim, base, dim_mult, num_res_blocks, temperal_upsample, out_channels, patch_size)
+    config = WanVAEConfig(z_dim, base, dim_mult, num_res_blocks, temperal_upsample, out_channels, patch_size,
+                          residual)
     expected = expected_shapes(config)
     for name, shape in expected.items():
         if name not in sd:
@@ -150,14 +175,14 @@ def expected_shapes(c: WanVAEConfig) -> dict[str, tuple[int, ...]]:
     conv("decoder.mid_block.attentions.0.to_qkv", dims[0] * 3, dims[0], (1, 1))
     conv("decoder.mid_block.attentions.0.proj", dims[0], dims[0], (1, 1))
     resnet("decoder.mid_block.resnets.1", dims[0], dims[0])
-    for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:])):
-        block = f"decoder.up_blocks.{i}"
+    for i in range(len(c.dim_mult)):
+        cin, cout, up_out = c.level_widths(i)
         for j in range(c.num_res_blocks + 1):
-            resnet(f"{block}.resnets.{j}", cin if j == 0 else cout, cout)
+            resnet(f"decoder.up_blocks.{i}.resnets.{j}", cin if j == 0 else cout, cout)
         if i != len(c.dim_mult) - 1:
             if c.temperal_upsample[i]:
-                conv(f"{block}.upsampler.time_conv", cout * 2, cout, (3, 1, 1))
-            conv(f"{block}.upsampler.resample.1", cout, cout, (3, 3))
+                conv(f"{c.upsampler(i)}.time_conv", cout * 2, cout, (3, 1, 1))
+            conv(f"{c.upsampler(i)}.resample.1", up_out, cout, (3, 3))
     shapes["decoder.norm_out.gamma"] = (dims[-1], 1, 1, 1)
     conv("decoder.conv_out", c.out_channels, dims[-1], (3, 3, 3))
     return shapes

@@ -49,7 +49,8 @@ def tile_margins(config) -> tuple[int, list[int]]:
     """Extra rows a tile carries past its own rows on each cut side: (at the mid block's second resnet, in latent
     rows; at the start of each up block, in that level's rows). A cut edge's zero halo spoils one more row per 3x3
     conv, and a nearest-2x + 3x3 upsample of c spoiled rows gives 2c + 1; working back from the output (the last
-    level's convs plus conv_out) gives the margins that keep every kept row exact (Wan2.2: 15 and 13, 12, 10, 7)."""
+    level's convs plus conv_out) gives the margins that keep every kept row exact. Only 3x3 convs mix rows (the time
+    convs, 1x1 shortcuts and Wan2.2's DupUp do not), so Wan2.2 and Wan2.1 share them: 15 and 13, 12, 10, 7."""
     convs = 2 * (config.num_res_blocks + 1)
     margin = convs + 1  # the last level: its resnets' convs and conv_out
     margins = [margin]
@@ -149,9 +150,9 @@ class NetworkPass:
             up_in[:, 1:-1].view(frames, 2, rows, width, c).copy_(
                 doubled[0].view(frames, rows, width, 2, c).permute(0, 3, 1, 2, 4))
         self.rows.exchange_halos(up_in)
-        out = self._empty(1, out_frames, 2 * rows, 2 * width, c)
-        self.ops.upsample2x_conv3x3(up_in, self.p[f"{name}.resample.1.weight"], self.p[f"{name}.resample.1.bias"],
-                                    out[0])
+        w_sub = self.p[f"{name}.resample.1.weight"]
+        out = self._empty(1, out_frames, 2 * rows, 2 * width, w_sub.shape[2])  # Wan2.1: half of c
+        self.ops.upsample2x_conv3x3(up_in, w_sub, self.p[f"{name}.resample.1.bias"], out[0])
         return out
 
     def causal_time_conv(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -178,9 +179,10 @@ class NetworkPass:
         if i == len(c.dim_mult) - 1:
             return x
         temporal = c.temperal_upsample[i]
-        x = self.upsample(f"{name}.upsampler", x, temporal)
-        factor_t = 2 if temporal else 1
-        self.ops.dup_up_add(block_input, x, factor_t, factor_t - 1 if self.first else 0)
+        x = self.upsample(c.upsampler(i), x, temporal)
+        if c.residual:  # Wan2.2's DupUp shortcut; Wan2.1's up blocks have none
+            factor_t = 2 if temporal else 1
+            self.ops.dup_up_add(block_input, x, factor_t, factor_t - 1 if self.first else 0)
         if self.tile is not None:
             self.tile.held_start *= 2
         return x

@@ -2,10 +2,10 @@
 small spatial size, then one small whole decode, each judged by the allowance against the fp32 definition.
 
 The cases are not listed by hand: `op_signatures` runs the decoder of every supported architecture on the meta device
-with a recording op table, so a new layer shape is covered the moment the decoder uses it (conv_in's 48 channels,
-conv_out's 12 outputs, the 1024-channel convs, the time convs' 2C outputs, the sub-pixel convs...). Spatial sizes are
-chosen so that no GEMM dimension is a multiple of a kernel tile (rows 5, width 13: M = 195 per 3 frames), and the
-decode check crosses pass boundaries (T = 4 at two frames per pass).
+with a recording op table, so a new layer shape is covered the moment the decoder uses it (conv_in's 48 and 16
+channels, conv_out's 12 and 3 outputs, the 1024-channel convs, the time convs' 2C outputs, the sub-pixel convs,
+Wan2.1's halving ones...). Spatial sizes are chosen so that no GEMM dimension is a multiple of a kernel tile (rows 5,
+width 13: M = 195 per 3 frames), and the decode check crosses pass boundaries (T = 4 at two frames per pass).
 
 The op baseline is the definition computed in fp32 from the same bf16 inputs and rounded to bf16 once: the release
 way for one op (bf16 tensors, fp32 accumulation); for the decode it is the release bf16 decode.
@@ -24,14 +24,14 @@ from fastvideo_pan2_ext import reference
 
 from . import weights as weights_mod
 from .allowance import AllowanceReport, compare_to_reference
-from .architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
+from .architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
 from .bands import LocalRows
 from .network import DecodeState, NetworkPass
 from .ops import RMS_EPS, TORCH_OPS, Ops
 from .passes import PassRunner, collect
 from .precision import exact_fp32
 
-SUPPORTED_CONFIGS = (WAN22_CONFIG,)  # the real decoders whose every op shape the self-check covers
+SUPPORTED_CONFIGS = (WAN22_CONFIG, WAN21_CONFIG)  # the real decoders whose every op shape the self-check covers
 
 # A narrow Wan2.2-layout decoder with the real latent width (conv_in reads 48 channels) for the whole-decode check.
 DECODE_CHECK_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2,

@@ -6,7 +6,7 @@
 | tensor                                   | prepared as                                                         |
 |------------------------------------------|---------------------------------------------------------------------|
 | conv weight [Co, Ci, kt, kh, kw]         | bf16 [Co, kt, kh, kw, Ci] (channels last); 2-D [Co, Ci, 1, 1] too   |
-| `*.upsampler.resample.1.weight` [Co,Ci,3,3] | bf16 [2, 2, Co, 2, 2, Ci]: the four 2x2 sub-pixel kernels (nearest-2x + 3x3 conv) |
+| upsampler `*.resample.1.weight` [Co, Ci, 3, 3] | bf16 [2, 2, Co, 2, 2, Ci]: the four 2x2 sub-pixel kernels    |
 | `post_quant_conv.weight`                 | fp32 [Co, 1, 1, 1, Ci] (applied in fp32 to the caller's latents)    |
 | bias [Co]                                | fp32 [Co]                                                           |
 | RMS-norm gamma [C, 1, 1(, 1)]            | fp32 [C], multiplied by sqrt(C) (Wan's RMS_norm scale)              |
@@ -42,7 +42,7 @@ def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return (tensor.float().flatten() * tensor.shape[0] ** 0.5).contiguous()
     if name.endswith(".bias"):
         return tensor.float().contiguous()
-    if name.endswith("upsampler.resample.1.weight"):
+    if name.endswith(".resample.1.weight"):  # an upsampler's 3x3 conv (Wan2.2 `upsampler.`, Wan2.1 `upsamplers.0.`)
         return subpixel_weights(tensor)
     w = tensor if tensor.dim() == 5 else tensor.reshape(*tensor.shape[:2], 1, 1, 1)
     w = w.permute(0, 2, 3, 4, 1).contiguous()
