@@ -9,10 +9,13 @@ results, `abort=True` kills the process at the first kernel call (what a faultin
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import torch.nn.functional as F
+
+from . import winograd
 
 # Pseudo-architectures that `extension.open_extension` answers with an emulated extension (CPU rehearsals): a correct
 # one, one outside the allowance, one whose first kernel call kills its process.
@@ -62,3 +65,47 @@ class EmulatedExtension:
         y = xf / xf.norm(dim=-1, keepdim=True).clamp_min(eps) * gamma
         y = F.silu(y) if silu else y
         out.copy_(y * (1 + self.norm_error))
+
+    # Winograd F(2x2, 3x3) (csrc/winograd.cu): the three steps, by winograd.py's own transforms and GEMM order.
+
+    def winograd_input_transform(self, x, v) -> None:
+        frames, rows, width, ci = x.shape
+        tiles_h, tiles_w = math.ceil((rows - 2) / 2), math.ceil(width / 2)
+        if x.stride(-1) != 1 or ci % 8:
+            raise RuntimeError("x must have unit channel stride and channels a multiple of 8")
+        if not v.is_contiguous() or tuple(v.shape) != (16, frames, tiles_h * tiles_w, ci):
+            raise RuntimeError(f"v must be a contiguous [16, {frames}, {tiles_h * tiles_w}, {ci}] tensor")
+        self._enter("winograd_input_transform", v)
+        xp = F.pad(x, (0, 0, 1, 2 * tiles_w + 1 - width, 0, 2 * tiles_h + 2 - rows))
+        v.copy_(winograd.input_transform(xp, 2, v.dtype))
+
+    def winograd_products(self, v, u, m) -> None:
+        components, ti, tiles, ci = v.shape
+        kt, _, co, u_ci = u.shape
+        frames = ti - kt + 1
+        if not (v.is_contiguous() and u.is_contiguous() and m.is_contiguous()) or m.dtype != torch.float32:
+            raise RuntimeError("v, u and m must be contiguous, m float32")
+        if u_ci != ci or ci % 8 or co % 8 or tuple(m.shape) != (16, frames, tiles, co):
+            raise RuntimeError(f"v {list(v.shape)}, u {list(u.shape)}, m {list(m.shape)} do not fit")
+        self._enter("winograd_products", m)
+        acc = m.view(components, frames * tiles, co).zero_()
+        for t in range(kt):  # fp32 GEMMs on the bf16 operands: exact products, as winograd.conv3d_winograd
+            acc.baddbmm_(v[:, t:t + frames].float().reshape(components, -1, ci),
+                         u[t].transpose(-1, -2).float().contiguous())
+
+    def winograd_output_transform(self, m, b, out, residual) -> None:
+        frames, rows, width, co = out.shape
+        tiles_h, tiles_w = math.ceil(rows / 2), math.ceil(width / 2)
+        if out.stride(-1) != 1 or co % 8:
+            raise RuntimeError("out must have unit channel stride and channels a multiple of 8")
+        if not m.is_contiguous() or tuple(m.shape) != (16, frames, tiles_h * tiles_w, co):
+            raise RuntimeError(f"m must be a contiguous [16, {frames}, {tiles_h * tiles_w}, {co}] tensor")
+        if residual is not None and residual.shape != out.shape:
+            raise RuntimeError("residual must have out's shape")
+        self._enter("winograd_output_transform", out)
+        y = winograd.output_transform(m.view(4, 4, frames, tiles_h, tiles_w, co), 2)[:, :rows, :width].add_(b)
+        if residual is not None:
+            y = y.add_(residual)
+        if self.conv_error:
+            y = y + self.conv_error * y.abs().mean() * torch.randn_like(y)
+        out.copy_(y)

@@ -17,8 +17,8 @@ from .emulated_extension import VARIANTS as EMULATED_VARIANTS
 from .emulated_extension import EmulatedExtension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu")
-HEADERS = ("decode_kernels.h",)
+SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu", "winograd.cu")
+HEADERS = ("decode_kernels.h", "winograd_tiles.cuh")
 EXTENSION_PREFIX = "wan22_vae_decode_"  # + arch: builds for two GPU kinds can live in one process
 CUTLASS_DIR_ENV = "WAN22_CUTLASS_DIR"  # a CUTLASS source tree (include/, tools/util/include/) instead of the wheel's
 

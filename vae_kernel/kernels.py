@@ -4,18 +4,28 @@
 kernels (channels-last bf16, destination passing, the current CUDA stream). `ext` is the built extension or anything
 with its functions (`emulated_extension` on CPU). A call the kernels do not cover (not bf16, a layout the TMA alignment
 rules out) goes to the portable op, so the table is total, and is counted in the table's `fallbacks` (op and reason):
-a fallback is never silent.
+a fallback is never silent. `make_ops(ext, winograd_convs=True)` runs the (kt, 3, 3) convs by the Winograd F(2x2, 3x3)
+kernels instead (`winograd.WinogradConv3d`'s dispatch and per-layer weight cache; fallback: the portable
+`winograd.conv3d_winograd`, same rounding points).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, winograd
+
+
+def winograd_kernel_weights(w: torch.Tensor) -> torch.Tensor:
+    """Prepared conv weights [Co, kt, 3, 3, Ci] -> U = G g G^T in the kernels' layout [kt, 16, Co, Ci] (K-major: the
+    GEMM's B operand), bf16: `winograd.winograd_weights` (torch, on w's device, once per layer) transposed."""
+    return winograd.winograd_weights(w, 2).transpose(-1, -2).contiguous()
 
 
 def _tma_ok(t: torch.Tensor | None) -> bool:
@@ -26,6 +36,9 @@ def _tma_ok(t: torch.Tensor | None) -> bool:
 
 class CompiledKernels:
     """The extension's functions as op-table entries; `fallbacks` counts the calls that ran the portable op."""
+
+    # Bytes of the Winograd temporaries (V bf16 + M fp32) per band of tile rows: a conv runs band by band.
+    winograd_band_bytes = 256 << 20
 
     def __init__(self, ext, fallbacks: collections.Counter) -> None:
         self.ext = ext
@@ -65,6 +78,58 @@ class CompiledKernels:
         out.copy_(wide[..., :co] if residual is None else wide[..., :co] + residual)
         return None
 
+    def winograd_conv3d(self, x: torch.Tensor, u: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                        residual: torch.Tensor | None = None) -> None:
+        """ops.conv3d of a (kt, 3, 3) conv by Winograd F(2x2, 3x3) on pre-transformed weights
+        u = winograd_kernel_weights(w) [kt, 16, Co, Ci]: winograd.conv3d_winograd's rounding points and shape rules.
+        Each sample and band of tile rows: input transform, kt batched GEMMs, output transform (into out)."""
+        portable_u = u.transpose(-1, -2)  # winograd.py's [kt, 16, Ci, Co]: same values
+        winograd.check_conv3d_args(x, portable_u, out, residual)
+        ci, co = x.shape[-1], out.shape[-1]
+        reason = None
+        if any(t is not None and t.dtype != torch.bfloat16 for t in (x, u, out, residual)):
+            reason = "not bf16"
+        elif not x.is_contiguous() or not _tma_ok(x) or ci % 8:
+            reason = f"x [.., {ci}] not contiguous, aligned, with channels a multiple of 8"
+        elif co % 8 == 0 and not (_tma_ok(out) and _tma_ok(residual)):
+            reason = "out or residual not 16-byte aligned"
+        if reason is not None:
+            self._fallback("winograd_conv3d", reason)
+            return winograd.conv3d_winograd(x.contiguous(), portable_u, b, out, residual, tile=2)
+        b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
+        if co % 8 == 0:
+            return self._winograd_bands(x, u.contiguous(), b, out, residual)
+        # e.g. conv_out's 12 channels: compute 16 (zero filters, zero residual channels), keep 12
+        extra = 8 - co % 8
+        wide = out.new_empty((*out.shape[:4], co + extra))
+        self._winograd_bands(x, F.pad(u, (0, 0, 0, extra)), F.pad(b, (0, extra)), wide,
+                             None if residual is None else F.pad(residual, (0, extra)))
+        out.copy_(wide[..., :co])
+        return None
+
+    def _winograd_bands(self, x: torch.Tensor, u: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                        residual: torch.Tensor | None) -> None:
+        n, ti, hi, width, ci = x.shape
+        kt, components, co, _ = u.shape
+        frames, rows = ti - kt + 1, hi - 2
+        tiles_h, tiles_w = math.ceil(rows / 2), math.ceil(width / 2)
+        row_bytes = components * tiles_w * (ti * ci * 2 + frames * co * 4)  # V and M of one tile row
+        bands = math.ceil(tiles_h / max(1, self.winograd_band_bytes // row_bytes))
+        band = math.ceil(tiles_h / bands)  # equal bands: no thin last GEMM
+        v_all = x.new_empty(components * ti * band * tiles_w * ci)
+        m_all = torch.empty(components * frames * band * tiles_w * co, dtype=torch.float32, device=x.device)
+        for i in range(n):  # one sample at a time: the GEMMs' rows never mix the frames of two samples
+            for r0 in range(0, tiles_h, band):
+                r1 = min(r0 + band, tiles_h)
+                tiles = (r1 - r0) * tiles_w
+                v = v_all[:components * ti * tiles * ci].view(components, ti, tiles, ci)
+                m = m_all[:components * frames * tiles * co].view(components, frames, tiles, co)
+                self.ext.winograd_input_transform(x[i, :, 2 * r0:2 * r1 + 2], v)
+                self.ext.winograd_products(v, u, m)
+                y0, y1 = 2 * r0, min(2 * r1, rows)
+                self.ext.winograd_output_transform(m, b, out[i, :, y0:y1],
+                                                   None if residual is None else residual[i, :, y0:y1])
+
     def rms_norm_silu(self, x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
         """out = silu?(x / max(||x||_C, 1e-12) * gamma), one fused pass (ops.rms_norm_silu)."""
         if x.shape[-1] % 8 or x.shape[-1] > 2048 or not (_tma_ok(x) and _tma_ok(out)):
@@ -102,9 +167,16 @@ class CompiledKernels:
         return cached
 
 
-def make_ops(ext, name: str = "compiled") -> ops.Ops:
-    """The decoder's op table with `ext`'s kernels in place of the portable hot ops."""
+def make_ops(ext, name: str = "compiled", winograd_convs: bool = False,
+             keep_direct: Iterable[winograd.LayerShape] | Callable[[int, int, int], bool] = ()) -> ops.Ops:
+    """The decoder's op table with `ext`'s kernels in place of the portable hot ops. `winograd_convs`: the (kt, 3, 3)
+    convs (but the layer shapes in `keep_direct`) run by the Winograd F(2x2, 3x3) kernels, weights transformed once
+    per layer; the table's name gets winograd_ops' suffix."""
     fallbacks: collections.Counter = collections.Counter()
     kernels = CompiledKernels(ext, fallbacks)
-    return dataclasses.replace(ops.TORCH_OPS, name=name, conv3d=kernels.conv3d, rms_norm_silu=kernels.rms_norm_silu,
-                               upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks)
+    table = dataclasses.replace(ops.TORCH_OPS, name=name, conv3d=kernels.conv3d, rms_norm_silu=kernels.rms_norm_silu,
+                                upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks)
+    if winograd_convs:
+        table = winograd.winograd_ops(table, 2, keep_direct, conv=kernels.winograd_conv3d,
+                                      transform=winograd_kernel_weights)
+    return table

@@ -22,12 +22,15 @@ transforms are written as explicit fp32 adds and scalings, never matmuls, so TF3
 
 `winograd_ops(base_ops, tile)` returns an op table whose conv3d runs the 3x3 spatial convs this way (weights
 transformed once per layer and cached) and every other conv, and every layer shape listed in `keep_direct`, through
-the base table's conv3d. Only torch is imported here.
+the base table's conv3d. The CUDA path (csrc/winograd.cu behind `kernels.CompiledKernels.winograd_conv3d`) computes
+the same U in the GEMM's K-major layout [kt, a^2, Co, Ci] (F(2x2) only) and shares `WinogradConv3d`'s dispatch and
+cache. Only torch is imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 
@@ -126,6 +129,34 @@ def conv3d_winograd(x: torch.Tensor, u: torch.Tensor, b: torch.Tensor, out: torc
     shape. Valid in time and rows, zero padding 1 each side in width. Rows and width need not be multiples of the
     tile: the tile grid is zero-padded and the extra outputs are never stored.
     """
+    check_conv3d_args(x, u, out, residual, tile)
+    alpha = tile + 2
+    n, ti, hi, width, ci = x.shape
+    kt, components, _, co = u.shape
+    frames, rows = ti - kt + 1, hi - 2
+    tiles_h, tiles_w = math.ceil(rows / tile), math.ceil(width / tile)
+    # Zero padding: one column left (the conv's 'same' padding), then up to the tile grid's extent right and below.
+    xp = F.pad(x, (0, 0, 1, tiles_w * tile + 1 - width, 0, tiles_h * tile + 2 - hi))
+    bias = b.float()
+    band = max(1, _CHUNK // (components * tiles_w * max(ti * ci, frames * co)))  # tile rows per band
+    for i in range(n):
+        for r0 in range(0, tiles_h, band):
+            r1 = min(r0 + band, tiles_h)
+            v = input_transform(xp[i, :, r0 * tile:r1 * tile + 2], tile, u.dtype)  # [a^2, Ti, tiles, Ci]
+            m = v.new_zeros((components, frames * v.shape[2], co))
+            for t in range(kt):  # M += V_t U_t for every output frame at once: one batched GEMM per tap
+                m.baddbmm_(v[:, t:t + frames].reshape(components, -1, ci), u[t].float())  # fp32: exact products
+            y = output_transform(m.view(alpha, alpha, frames, r1 - r0, tiles_w, co), tile)
+            y0, y1 = r0 * tile, min(r1 * tile, rows)
+            y = y[:, :y1 - y0, :width].add_(bias)
+            if residual is not None:
+                y = y.add_(residual[i, :, y0:y1])
+            out[i, :, y0:y1].copy_(y)
+
+
+def check_conv3d_args(x: torch.Tensor, u: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                      tile: int = 2) -> None:
+    """conv3d_winograd's shape rules (u [kt, a^2, Ci, Co]), raising ValueError naming what was expected."""
     alpha = _check_tile(tile)
     n, ti, hi, width, ci = x.shape
     kt, components, u_ci, co = u.shape
@@ -137,27 +168,9 @@ def conv3d_winograd(x: torch.Tensor, u: torch.Tensor, b: torch.Tensor, out: torc
                          f"{kt} time taps; got {list(out.shape)}")
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must have out's shape {list(out.shape)}; got {list(residual.shape)}")
-    tiles_h, tiles_w = math.ceil(rows / tile), math.ceil(width / tile)
-    # Zero padding: one column left (the conv's 'same' padding), then up to the tile grid's extent right and below.
-    xp = F.pad(x, (0, 0, 1, tiles_w * tile + 1 - width, 0, tiles_h * tile + 2 - hi))
-    bias = b.float()
-    band = max(1, _CHUNK // (components * tiles_w * max(ti * ci, frames * co)))  # tile rows per band
-    for i in range(n):
-        for r0 in range(0, tiles_h, band):
-            r1 = min(r0 + band, tiles_h)
-            v = _input_transform(xp[i, :, r0 * tile:r1 * tile + 2], tile, u.dtype)  # [a^2, Ti, tiles, Ci]
-            m = v.new_zeros((components, frames * v.shape[2], co))
-            for t in range(kt):  # M += V_t U_t for every output frame at once: one batched GEMM per tap
-                m.baddbmm_(v[:, t:t + frames].reshape(components, -1, ci), u[t].float())  # fp32: exact products
-            y = _output_transform(m.view(alpha, alpha, frames, r1 - r0, tiles_w, co), tile)
-            y0, y1 = r0 * tile, min(r1 * tile, rows)
-            y = y[:, :y1 - y0, :width].add_(bias)
-            if residual is not None:
-                y = y.add_(residual[i, :, y0:y1])
-            out[i, :, y0:y1].copy_(y)
 
 
-def _input_transform(d: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Tensor:
+def input_transform(d: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Tensor:
     """Padded input rows [Ti, rows, Wp, Ci] -> V = B^T d B per tile, [a^2, Ti, tiles, Ci], rounded to `dtype`,
     returned in fp32 (the GEMM's operand)."""
     alpha = tile + 2
@@ -167,7 +180,7 @@ def _input_transform(d: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Te
     return v.reshape(alpha * alpha, d.shape[0], -1, d.shape[-1]).to(dtype).float()
 
 
-def _output_transform(m: torch.Tensor, tile: int) -> torch.Tensor:
+def output_transform(m: torch.Tensor, tile: int) -> torch.Tensor:
     """M [a, a, frames, tiles_h, tiles_w, Co] -> Y = A^T M A as pixels [frames, tiles_h * m, tiles_w * m, Co]."""
     y = _apply(_A_T[tile], _apply(_A_T[tile], m, 0), 1)  # [m, m, frames, tiles_h, tiles_w, Co]
     frames, tiles_h, tiles_w, co = y.shape[2:]
@@ -187,13 +200,21 @@ class WinogradConv3d:
     `keep_direct`: layer shapes (Co, Ci, kt) that stay direct, or a predicate on them (e.g. where a tile size is
     outside the error allowance). Transformed weights are computed once per weight tensor and kept, with a reference
     to the weight (so its address cannot be reused while the entry lives) and its version (an in-place update
-    recomputes them)."""
+    recomputes them).
+
+    `conv(x, u, b, out, residual)` runs the Winograd conv on `u = transform(w)`: by default this module's
+    `conv3d_winograd` and `winograd_weights` for `tile`; the compiled path passes its kernels and their weight
+    layout (`kernels.CompiledKernels.winograd_conv3d`), so both share this dispatch and cache."""
 
     def __init__(self, direct: Callable[..., None], tile: int = 2,
-                 keep_direct: Iterable[LayerShape] | Callable[[int, int, int], bool] = ()) -> None:
+                 keep_direct: Iterable[LayerShape] | Callable[[int, int, int], bool] = (),
+                 conv: Callable[..., None] | None = None,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         _check_tile(tile)
         self.direct = direct
         self.tile = tile
+        self.conv = conv or functools.partial(conv3d_winograd, tile=tile)
+        self.transform = transform or functools.partial(winograd_weights, tile=tile)
         if callable(keep_direct):
             self.keep_direct = keep_direct
         else:
@@ -209,18 +230,21 @@ class WinogradConv3d:
         key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
         entry = self.cache.get(key)
         if entry is None or entry[1] != w._version:
-            entry = self.cache[key] = (w, w._version, winograd_weights(w, self.tile))
+            entry = self.cache[key] = (w, w._version, self.transform(w))
         return entry[2]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  residual: torch.Tensor | None = None) -> None:
         if not self.uses_winograd(w):
             return self.direct(x, w, b, out, residual)
-        return conv3d_winograd(x.contiguous(), self.transformed(w), b, out, residual, self.tile)
+        return self.conv(x.contiguous(), self.transformed(w), b, out, residual)
 
 
 def winograd_ops(base_ops, tile: int = 2,
-                 keep_direct: Iterable[LayerShape] | Callable[[int, int, int], bool] = ()):
-    """`base_ops` (an ops.Ops) with its conv3d replaced by `WinogradConv3d(base_ops.conv3d, tile, keep_direct)`."""
-    conv = WinogradConv3d(base_ops.conv3d, tile, keep_direct)
+                 keep_direct: Iterable[LayerShape] | Callable[[int, int, int], bool] = (),
+                 conv: Callable[..., None] | None = None,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """`base_ops` (an ops.Ops) with its conv3d replaced by
+    `WinogradConv3d(base_ops.conv3d, tile, keep_direct, conv, transform)`."""
+    conv = WinogradConv3d(base_ops.conv3d, tile, keep_direct, conv, transform)
     return dataclasses.replace(base_ops, name=f"{base_ops.name}+winograd-f{tile}x{tile}", conv3d=conv)

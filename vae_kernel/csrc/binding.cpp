@@ -147,10 +147,98 @@ void subpixel_scatter(const at::Tensor& y, at::Tensor& out) {
                                         c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+// A [frames, rows, width, channels] bf16 CUDA tensor with unit channel stride as Pixels (other strides free).
+wan22::Pixels to_pixels(const at::Tensor& t, const char* name) {
+  check_bf16_cuda(t, name);
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be a [frames, rows, width, channels] tensor with unit "
+              "channel stride; got sizes ", t.sizes(), " strides ", t.strides());
+  wan22::Pixels p;
+  p.data = t.data_ptr();
+  p.frames = t.size(0); p.rows = t.size(1); p.width = t.size(2); p.channels = t.size(3);
+  for (int i = 0; i < 3; ++i) p.stride[i] = t.stride(i);
+  return p;
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* names) {
+  TORCH_CHECK(a.get_device() == b.get_device(), names, " must be on one device; got ", a.device(), " and ",
+              b.device());
+}
+
+// Winograd F(2x2, 3x3), step 1: v = B^T d B of every tile of x (rows include the halo rows; width zero-padded).
+void winograd_input_transform(const at::Tensor& x, at::Tensor& v) {
+  const wan22::Pixels xs = to_pixels(x, "x");
+  check_bf16_cuda(v, "v");
+  check_same_device(x, v, "x and v");
+  TORCH_CHECK(xs.rows >= 3, "x needs at least 3 rows (one output row and its halo rows); got ", x.sizes());
+  const int64_t tiles = static_cast<int64_t>((xs.rows - 1) / 2) * ((xs.width + 1) / 2);
+  const std::array<int64_t, 4> expected{16, xs.frames, tiles, xs.channels};
+  TORCH_CHECK(v.is_contiguous() && v.sizes() == at::IntArrayRef(expected), "v must be a contiguous ",
+              at::IntArrayRef(expected), " tensor for x ", x.sizes(), "; got ", v.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  raise_if(wan22::winograd_input_transform_bf16(xs, v.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// Step 2: m = sum over taps t of v[:, t : t + to] @ u[t]^T per component, bf16 operands, fp32 accumulation.
+void winograd_products(const at::Tensor& v, const at::Tensor& u, at::Tensor& m) {
+  check_bf16_cuda(v, "v");
+  check_bf16_cuda(u, "u");
+  TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::kFloat, "m must be a float32 CUDA tensor; got ",
+              m.scalar_type(), " on ", m.device());
+  check_same_device(v, u, "v and u");
+  check_same_device(v, m, "v and m");
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == 16 && v.is_contiguous(), "v must be a contiguous [16, Ti, tiles, Ci] "
+              "tensor; got ", v.sizes());
+  TORCH_CHECK(u.dim() == 4 && u.size(1) == 16 && u.size(3) == v.size(3) && u.is_contiguous(), "u must be a "
+              "contiguous [kt, 16, Co, ", v.size(3), "] tensor; got ", u.sizes());
+  TORCH_CHECK(u.size(0) <= v.size(1), "u has ", u.size(0), " time taps but v only ", v.size(1), " frames");
+  const std::array<int64_t, 4> expected{16, v.size(1) - u.size(0) + 1, v.size(2), u.size(2)};
+  TORCH_CHECK(m.is_contiguous() && m.sizes() == at::IntArrayRef(expected), "m must be a contiguous ",
+              at::IntArrayRef(expected), " tensor for v ", v.sizes(), " and u ", u.sizes(), "; got ", m.sizes());
+  wan22::WinogradProductsArgs a;
+  a.v = v.data_ptr();
+  a.u = u.data_ptr();
+  a.m = m.data_ptr<float>();
+  a.ti = v.size(1); a.kt = u.size(0); a.tiles = v.size(2); a.ci = v.size(3); a.co = u.size(2);
+  const c10::cuda::CUDAGuard guard(v.device());
+  const size_t workspace_bytes = wan22::winograd_products_workspace_size(a);
+  at::Tensor workspace;
+  if (workspace_bytes > 0) workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, v.options().dtype(at::kByte));
+  raise_if(wan22::winograd_products_bf16(a, workspace_bytes ? workspace.data_ptr() : nullptr,
+                                         c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// Step 3: out = A^T m A of every tile + b (+ residual), cropped to out's rows and width.
+void winograd_output_transform(const at::Tensor& m, const at::Tensor& b, at::Tensor& out,
+                               const std::optional<at::Tensor>& residual) {
+  const wan22::Pixels os = to_pixels(out, "out");
+  TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::kFloat, "m must be a float32 CUDA tensor; got ",
+              m.scalar_type(), " on ", m.device());
+  check_same_device(m, out, "m and out");
+  const int64_t tiles = static_cast<int64_t>((os.rows + 1) / 2) * ((os.width + 1) / 2);
+  const std::array<int64_t, 4> expected{16, os.frames, tiles, os.channels};
+  TORCH_CHECK(m.is_contiguous() && m.sizes() == at::IntArrayRef(expected), "m must be a contiguous ",
+              at::IntArrayRef(expected), " tensor for out ", out.sizes(), "; got ", m.sizes());
+  TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == os.channels &&
+                  b.is_contiguous(),
+              "b must be a contiguous float32 [", os.channels, "] CUDA tensor; got ", b.scalar_type(), " ", b.sizes());
+  check_same_device(b, out, "b and out");
+  wan22::Pixels rs;
+  if (residual.has_value()) {
+    rs = to_pixels(*residual, "residual");
+    check_same_device(*residual, out, "residual and out");
+    TORCH_CHECK(residual->sizes() == out.sizes(), "residual must have out's shape ", out.sizes(), "; got ",
+                residual->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(out.device());
+  raise_if(wan22::winograd_output_transform_bf16(m.data_ptr<float>(), b.data_ptr<float>(), os, rs,
+                                                 c10::cuda::getCurrentCUDAStream().stream()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Wan2.2 VAE decoder kernels (CUTLASS implicit-GEMM conv3d, fused RMS-norm + SiLU)";
+  m.doc() = "Wan2.2 VAE decoder kernels (CUTLASS implicit-GEMM conv3d, Winograd F(2x2, 3x3) conv, fused RMS-norm + "
+            "SiLU)";
   m.def("conv3d", &conv3d, "out = conv3d(x, w) + b (+ residual); NDHWC bf16, fp32 accumulation", py::arg("x"),
         py::arg("w"), py::arg("b"), py::arg("out"), py::arg("residual") = py::none(), py::arg("pad_lo"),
         py::arg("pad_hi"));
@@ -158,5 +246,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gamma"), py::arg("out"), py::arg("silu") = true, py::arg("eps") = 1e-12);
   m.def("subpixel_scatter", &subpixel_scatter, "interleave the four sub-pixel phases of an upsample conv",
         py::arg("y"), py::arg("out"));
+  m.def("winograd_input_transform", &winograd_input_transform, "Winograd F(2x2, 3x3): V = B^T d B per tile, bf16",
+        py::arg("x"), py::arg("v"));
+  m.def("winograd_products", &winograd_products, "Winograd F(2x2, 3x3): M = sum_t V_t U_t^T per component, fp32",
+        py::arg("v"), py::arg("u"), py::arg("m"));
+  m.def("winograd_output_transform", &winograd_output_transform, "Winograd F(2x2, 3x3): out = A^T M A + b "
+        "(+ residual), bf16", py::arg("m"), py::arg("b"), py::arg("out"), py::arg("residual") = py::none());
   m.def("arch", []() { return std::string(wan22::compiled_arch()); }, "the GPU architecture this build targets");
 }

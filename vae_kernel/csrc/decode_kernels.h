@@ -57,6 +57,40 @@ const char* rms_norm_silu_bf16(const Slab& x, const float* gamma, const Slab& ou
 const char* subpixel_scatter_bf16(const void* y, void* out, int64_t m, int hi, int w, int co,
                                   int64_t out_frame_stride, cudaStream_t stream);
 
+// Winograd F(2x2, 3x3) for a (kt, 3, 3) conv, valid in time and rows, zero padding 1 in width (winograd.cu; the
+// definition and its rounding points: vae_kernel/winograd.py). Three steps per sample (and band of tile rows):
+//   input transform   x [ti, hi, w, ci] -> V [16, ti, P, ci] bf16, P = ceil((hi - 2) / 2) * ceil(w / 2) tiles
+//   products          M [16, to, P, co] fp32 = sum over taps t of V[:, t : t + to] @ U[t]^T, to = ti - kt + 1
+//   output transform  M -> out [to, ho, w, co] bf16 (+ bias, + residual), P = ceil(ho / 2) * ceil(w / 2)
+// U = G g G^T [kt, 16, co, ci] bf16 (transformed once per layer by the caller). Channels are multiples of 8; every
+// pointer and stride is 16-byte aligned.
+
+// A channels-last [frames, rows, width, channels] bf16 tensor: unit channel stride, the other strides free (elements).
+struct Pixels {
+  void* data = nullptr;  // null: absent (an optional residual)
+  int frames = 0, rows = 0, width = 0, channels = 0;
+  int64_t stride[3] = {0, 0, 0};  // (frames, rows, width)
+};
+
+// V = B^T d B per frame and tile in fp32, rounded to bf16 once; x's rows include the halo rows, its width is
+// zero-padded here (and the tile grid's extent past the last row and column).
+const char* winograd_input_transform_bf16(const Pixels& x, void* v, cudaStream_t stream);
+
+struct WinogradProductsArgs {
+  const void* v = nullptr;  // [16, ti, tiles, ci] bf16
+  const void* u = nullptr;  // [kt, 16, co, ci] bf16
+  float* m = nullptr;       // [16, ti - kt + 1, tiles, co] fp32
+  int ti = 0, kt = 0, tiles = 0, ci = 0, co = 0;
+};
+
+size_t winograd_products_workspace_size(const WinogradProductsArgs& args);
+const char* winograd_products_bf16(const WinogradProductsArgs& args, void* workspace, cudaStream_t stream);
+
+// Y = A^T M A per tile in fp32, + bias [co] fp32, + residual (bf16, out's shape, own strides; data null: none),
+// rounded to bf16 once; rows and columns of the tile grid past out's are not stored. m: [16, frames, tiles, co].
+const char* winograd_output_transform_bf16(const float* m, const float* bias, const Pixels& out,
+                                           const Pixels& residual, cudaStream_t stream);
+
 // The architecture this translation unit set was compiled for ("sm_90a", "sm_100a", ...).
 const char* compiled_arch();
 
