@@ -1,6 +1,12 @@
-"""A tiny local PAN2 checkpoint: the real component classes at toy widths, seeded random weights, no network.
+"""Tiny local checkpoints: the real component classes at toy widths, seeded random weights, no network.
 
-    python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR [--seed 0]
+    python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR [--seed 0] [--layout pan2|wan2.2-ti2v|wan2.1-t2v]
+
+Layouts: `pan2` (the default: PAN2, described below), `wan2.2-ti2v` (the same components as a stock
+Wan2.2-TI2V-5B checkpoint: `model_index.json` names `WanPipeline`; FastVideo matches a local folder to its config by
+the folder's name, so name it `Wan2.2-TI2V-5B-Diffusers`), `wan2.1-t2v` (a stock Wan2.1 T2V checkpoint: 16-channel
+latents, the Wan2.1 VAE without patchify at 8x spatial compression, no timestep expansion; name the folder
+`Wan2.1-T2V-1.3B-Diffusers`).
 
 The folder has the diffusers layout FastVideo's own loaders read (`model_index.json`, `transformer/`, `vae/`,
 `text_encoder/`, `tokenizer/`, `scheduler/scheduler_config.json`):
@@ -29,6 +35,7 @@ from pathlib import Path
 PIPELINE_CLASS_NAME = "PAN2Pipeline"
 LATENT_CHANNELS = 48  # PAN2 = Wan2.2-TI2V-5B class: 48-channel latents
 TEXT_DIM = 32
+LAYOUTS = ("pan2", "wan2.2-ti2v", "wan2.1-t2v")
 
 _CORPUS = """\
 a cat walks across a sunlit kitchen floor and looks at the camera
@@ -82,11 +89,15 @@ def _make_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny PAN2 checkpoint into `out_dir` (created; an existing checkpoint there is overwritten)."""
+def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "pan2") -> Path:
+    """Write a tiny checkpoint of `layout` into `out_dir` (created; an existing checkpoint there is overwritten)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT_DIR must be a folder; {str(out)!r} is a file")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    wan21 = layout == "wan2.1-t2v"
+    latent_channels = 16 if wan21 else LATENT_CHANNELS
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -104,18 +115,20 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
 
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                        in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM,
+                                        in_channels=latent_channels, out_channels=latent_channels, text_dim=TEXT_DIM,
                                         freq_dim=32, ffn_dim=64, num_layers=1, cross_attn_norm=True,
                                         qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
     _seeded_fill(transformer, generator)
     transformer.save_pretrained(out / "transformer", safe_serialization=True)
 
-    latents_mean = (0.1 * torch.randn(LATENT_CHANNELS, generator=generator)).tolist()
-    latents_std = (1.0 + 0.2 * torch.rand(LATENT_CHANNELS, generator=generator)).tolist()
-    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 4, 4],
-                           num_res_blocks=2, temperal_downsample=[False, True, True], is_residual=True,
-                           patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16,
-                           scale_factor_temporal=4, latents_mean=latents_mean, latents_std=latents_std)
+    latents_mean = (0.1 * torch.randn(latent_channels, generator=generator)).tolist()
+    latents_std = (1.0 + 0.2 * torch.rand(latent_channels, generator=generator)).tolist()
+    layout_args = (dict(is_residual=False, scale_factor_spatial=8) if wan21 else
+                   dict(decoder_base_dim=8, is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                        scale_factor_spatial=16))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=latent_channels, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                           temperal_downsample=[False, True, True], scale_factor_temporal=4,
+                           latents_mean=latents_mean, latents_std=latents_std, **layout_args)
     _seeded_fill(vae, generator)
     vae.save_pretrained(out / "vae", safe_serialization=True)
 
@@ -127,6 +140,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
         "lower_order_final": True, "num_train_timesteps": 1000, "predict_x0": True,
         "prediction_type": "flow_prediction", "rescale_betas_zero_snr": False, "sample_max_value": 1.0,
         "solver_order": 2, "solver_p": None, "solver_type": "bh2", "steps_offset": 0, "thresholding": False,
+        **({"flow_shift": 3.0} if wan21 else {}),
         "timestep_spacing": "linspace", "trained_betas": None, "use_beta_sigmas": False,
         "use_exponential_sigmas": False, "use_flow_sigmas": True, "use_karras_sigmas": False,
     })
@@ -134,10 +148,10 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     import diffusers
 
     _write_json(out / "model_index.json", {
-        "_class_name": PIPELINE_CLASS_NAME,
+        "_class_name": PIPELINE_CLASS_NAME if layout == "pan2" else "WanPipeline",
         "_diffusers_version": diffusers.__version__,
         "boundary_ratio": None,
-        "expand_timesteps": True,
+        "expand_timesteps": not wan21,
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
@@ -150,12 +164,13 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastvideo_pan2_ext.demo.tiny_checkpoints",
-                                     description="Write a tiny random-weight PAN2 checkpoint for tests and demos.")
+                                     description="Write a tiny random-weight checkpoint for tests and demos.")
     parser.add_argument("out_dir", help="folder to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed for every random weight (default 0)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="pan2", help="which model's layout (default pan2)")
     args = parser.parse_args(argv)
     try:
-        out = make_tiny_checkpoint(args.out_dir, seed=args.seed)
+        out = make_tiny_checkpoint(args.out_dir, seed=args.seed, layout=args.layout)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
