@@ -1,4 +1,5 @@
-"""Which op table a decoder runs: the portable one, or the compiled one where it is built and verified."""
+"""Which op table a decoder runs: the portable one or the compiled one (where it is built and verified), with the
+3x3 spatial convs direct or by Winograd F(2x2, 3x3) (docs/design.md, "Winograd")."""
 
 from __future__ import annotations
 
@@ -6,30 +7,62 @@ import logging
 
 import torch
 
+from . import winograd
+from .extension import CompiledUnavailable
 from .loader import load_ops
 from .ops import TORCH_OPS, Ops
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cuda", "torch")
+CONV_ALGORITHMS = ("auto", "direct", "winograd")
+
+# The layer shapes (Co, Ci, kt) whose convs run by Winograd under conv_algorithm "auto", per GPU model, as the GPU
+# check measured them (tools/gpu_check.py, conv_bench: Winograd faster than direct and within the allowance). A GPU
+# without an entry, and the CPU (where the portable Winograd conv is about 2x slower than direct), run direct.
+MEASURED_WINOGRAD_LAYERS: dict[str, frozenset[tuple[int, int, int]]] = {}
 
 
-def select_ops(backend, device: torch.device) -> Ops:
-    """The op table for `backend` on `device`.
+def _winograd_layers(conv_algorithm: str, device: torch.device) -> bool | frozenset:
+    """False: every conv direct; True: every 3x3 conv by Winograd; a frozenset: those layers."""
+    if conv_algorithm != "auto":
+        return conv_algorithm == "winograd"
+    if device.type != "cuda" or not MEASURED_WINOGRAD_LAYERS:
+        return False
+    return MEASURED_WINOGRAD_LAYERS.get(torch.cuda.get_device_name(device), False)
+
+
+def select_ops(backend, device: torch.device, conv_algorithm: str = "auto") -> Ops:
+    """The op table for `backend` on `device`, its 3x3 convs by `conv_algorithm`.
 
     "torch": the portable table. "cuda": `loader.load_ops(device)` or a RuntimeError saying why not.
     "auto": the compiled table where it loads (built and self-checked for this device), else the portable one.
     An `ops.Ops` table is used as given (a table loaded some other way, e.g. `loader.load_ops(device, arch=...)`).
+    conv_algorithm "winograd" (or "auto" where the GPU check measured Winograd faster) on the compiled backend uses
+    the Winograd kernels once they pass the self-check; if they fail it, the direct kernels run, with a warning.
     """
     if isinstance(backend, Ops):
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
+    if conv_algorithm not in CONV_ALGORITHMS:
+        raise ValueError(f"conv_algorithm must be one of {list(CONV_ALGORITHMS)}; got {conv_algorithm!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return TORCH_OPS
+        layers = _winograd_layers(conv_algorithm, device)
+        if not layers:
+            return TORCH_OPS
+        keep_direct = (lambda co, ci, kt: (co, ci, kt) not in layers) if isinstance(layers, frozenset) else ()
+        return winograd.winograd_ops(TORCH_OPS, 2, keep_direct)
     if device.type != "cuda":
         raise ValueError(f"backend='cuda' needs a CUDA device; got device {device}")
     try:
+        layers = _winograd_layers(conv_algorithm, device)
+        if layers:
+            try:
+                return load_ops(device, winograd=layers)
+            except CompiledUnavailable as exc:
+                logger.warning("the Winograd kernels are disabled on %s (%s); the direct kernels run instead",
+                               device, exc)
         return load_ops(device)
     except Exception as exc:  # any failure to build, load or self-check means "not available here"
         if backend == "cuda":

@@ -16,15 +16,17 @@ import torch
 import torch.distributed as dist
 
 
-def split_rows(height: int, parts: int) -> list[tuple[int, int]]:
-    """`height` rows as min(parts, height) contiguous near-equal bands (the first ones one row longer)."""
+def split_rows(height: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """`height` rows as at most `parts` contiguous near-equal bands that start on multiples of `multiple` rows (the
+    first ones one unit longer; the last may be shorter)."""
     if height < 1 or parts < 1:
         raise ValueError(f"need height >= 1 and parts >= 1; got height={height}, parts={parts}")
-    parts = min(parts, height)
-    size, extra = divmod(height, parts)
+    units = -(-height // multiple)
+    parts = min(parts, units)
+    size, extra = divmod(units, parts)
     bands, start = [], 0
     for i in range(parts):
-        stop = start + size + (1 if i < extra else 0)
+        stop = min(start + (size + (1 if i < extra else 0)) * multiple, height)
         bands.append((start, stop))
         start = stop
     return bands
@@ -62,10 +64,10 @@ class LocalRows:
 class RankRows(LocalRows):
     """The bands of a process group: group rank i holds band i; ranks past the last band hold none."""
 
-    def __init__(self, height: int, pg, device: torch.device) -> None:
+    def __init__(self, height: int, pg, device: torch.device, row_multiple: int = 1) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
-        self.bands = split_rows(height, dist.get_world_size(pg))
+        self.bands = split_rows(height, dist.get_world_size(pg), row_multiple)
         self.index = self.rank
         self.is_root = self.rank == 0
         # gloo moves CPU tensors only; NCCL moves the decoder's CUDA tensors directly.

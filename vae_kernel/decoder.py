@@ -1,4 +1,4 @@
-"""`WanVAEDecoder`: the fast Wan2.2 VAE decoder's public API (docs/design.md, "Public API").
+"""`WanVAEDecoder`: the fast Wan VAE decoder's public API (docs/design.md, "Public API").
 
 The same math as `reference.decode` (diffusers' `AutoencoderKLWan.decode`), organised for speed by the modules below
 this one: `network` (one pass of the network over a band of rows), `passes` (the loops over passes, bands and tiles),
@@ -70,12 +70,12 @@ def check_decode_options(frames_per_pass, tile_rows, max_memory, enabled: bool =
 
 
 class WanVAEDecoder:
-    """The fast Wan2.2 VAE decoder.
+    """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
     `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, frames_per_pass=4, local=False, backend="auto")`
-    takes diffusers' `AutoencoderKLWan` (Wan2.2 layout) or its state dict; the architecture is read from the weights.
-    `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, 16h, 16w] in
-    [-1, 1] (for patch size 2). With a process group of N ranks each rank decodes a band of rows and rank 0 returns the
+    takes diffusers' (or FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights.
+    `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
+    [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and rank 0 returns the
     video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto" (compiled where built
     and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU too), or an `ops.Ops`
     table to run as given.
@@ -83,17 +83,21 @@ class WanVAEDecoder:
     `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder picks, per latent shape, the largest tile
     whose peak working memory (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video)
     fits; the plain decode when it fits whole. `decode` and `decode_iter` both honour tiling.
+    `conv_algorithm`: the 3x3 spatial convs "direct", by "winograd" F(2x2, 3x3) (2.25x fewer multiplies, within the
+    allowance at every layer), or "auto" (the per-layer choice the GPU check measured for this GPU; direct where
+    nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
     """
 
     def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int = 4, local: bool = False,
-                 backend: str = "auto", tile_rows: int | None = None, max_memory: int | str | None = None) -> None:
+                 backend: str = "auto", tile_rows: int | None = None, max_memory: int | str | None = None,
+                 conv_algorithm: str = "auto") -> None:
         check_decode_options(frames_per_pass, tile_rows, max_memory)
         self.frames_per_pass = frames_per_pass
         self.tile_rows = None
         self.max_memory = None
         self.device = _resolve_device(device)
         self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
-        self.ops = select_ops(backend, self.device)
+        self.ops = select_ops(backend, self.device, conv_algorithm)
         if local:
             self.pg = None
         elif pg is not None:
@@ -183,7 +187,7 @@ class WanVAEDecoder:
     # ---------------------------------------------------------------------------------------------------------------
 
     def _rows(self, height: int) -> LocalRows:
-        return LocalRows(height) if self.pg is None else RankRows(height, self.pg, self.device)
+        return LocalRows(height) if self.pg is None else RankRows(height, self.pg, self.device, self.ops.row_multiple)
 
     def _runner(self) -> PassRunner:
         return PassRunner(self.ops, self.weights, self.config, self.device, self.frames_per_pass)

@@ -28,20 +28,23 @@ _lock = threading.Lock()
 _loaded: dict[tuple, Ops | CompiledUnavailable] = {}  # (device, factory) -> op table or the reason it is unusable
 
 
-def _built_ops(device: torch.device, arch: str) -> Ops:
+def _built_ops(device: torch.device, arch: str, winograd: bool | frozenset) -> Ops:
     ext = open_extension(arch)
-    verify_build_isolated(ext, device)
-    return make_ops(ext)
+    verify_build_isolated(ext, device, winograd=bool(winograd))
+    if isinstance(winograd, frozenset):  # the measured layers only (every layer was verified)
+        return make_ops(ext, winograd_convs=True, keep_direct=lambda co, ci, kt: (co, ci, kt) not in winograd)
+    return make_ops(ext, winograd_convs=winograd)
 
 
-def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = None,
+def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = None, winograd: bool | frozenset = False,
              factory: Callable[[torch.device], Ops] | None = None) -> Ops:
     """The compiled op table for `device`, verified (see the module notes).
 
     `arch`: the extension to open instead of the device's own (`extension.open_extension`; e.g. "emulated" for a CPU
-    rehearsal of this whole path, child-process self-check included). `factory(device) -> Ops` replaces the build
-    altogether: the table is then self-checked in this process with the same cases and judgement, and remembered
-    the same way."""
+    rehearsal of this whole path, child-process self-check included). `winograd`: the (kt, 3, 3) convs by the
+    Winograd kernels (True: every such layer; a frozenset of (Co, Ci, kt): those layers), verified with every layer
+    by Winograd. `factory(device) -> Ops` replaces the build altogether: the table is then self-checked in this
+    process with the same cases and judgement, and remembered the same way."""
     device = torch.device(device)
     if factory is None and arch is None:
         if device.type != "cuda":
@@ -51,7 +54,7 @@ def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = No
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
-        key = (str(device), arch, factory)
+        key = (str(device), arch, winograd, factory)
         cached = _loaded.get(key)
         if isinstance(cached, CompiledUnavailable):
             raise cached
@@ -60,7 +63,7 @@ def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = No
         try:
             if factory is None:
                 with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    table = _built_ops(device, arch or arch_for_device(device))
+                    table = _built_ops(device, arch or arch_for_device(device), winograd)
             else:
                 table = factory(device)
                 verify_ops(table, device)

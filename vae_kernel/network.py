@@ -68,9 +68,10 @@ class Tile:
         self.mid_margin, self.margins = tile_margins(config)
         self.held_start = 0  # first row held, at the current level's scale (the mid block starts on the whole frame)
 
-    def crop(self, x: torch.Tensor, scale: int, margin: int) -> torch.Tensor:
-        """x [1, F, rows held, W, C] at `scale` x latent rows -> the rows within `margin` of this tile's own."""
-        a = max(self.start * scale - margin, 0)
+    def crop(self, x: torch.Tensor, scale: int, margin: int, multiple: int = 1) -> torch.Tensor:
+        """x [1, F, rows held, W, C] at `scale` x latent rows -> the rows within `margin` of this tile's own, starting
+        on a multiple of `multiple` rows (the convs that follow may pair rows globally: `ops.Ops.row_multiple`)."""
+        a = max(self.start * scale - margin, 0) // multiple * multiple
         b = min(self.stop * scale + margin, self.height * scale)
         offset = a - self.held_start
         self.held_start = a
@@ -172,7 +173,7 @@ class NetworkPass:
         c = self.config
         name = f"decoder.up_blocks.{i}"
         if self.tile is not None:
-            x = self.tile.crop(x, 2 ** i, self.tile.margins[i])
+            x = self.tile.crop(x, 2 ** i, self.tile.margins[i], self.ops.row_multiple)
         block_input = x
         for j in range(c.num_res_blocks + 1):
             x = self.residual_block(f"{name}.resnets.{j}", x)
@@ -206,7 +207,7 @@ class NetworkPass:
         x = self.attention_block("decoder.mid_block.attentions.0", x)
         if self.tile is not None:
             self.tile.held_start = 0
-            x = self.tile.crop(x, 1, self.tile.mid_margin)
+            x = self.tile.crop(x, 1, self.tile.mid_margin, self.ops.row_multiple)
         x = self.residual_block("decoder.mid_block.resnets.1", x)
         for i in range(len(self.config.dim_mult)):
             x = self.up_block(i, x)

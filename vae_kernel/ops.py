@@ -162,7 +162,10 @@ def unpatchify_clamp(x: torch.Tensor, out: torch.Tensor, patch_size: int) -> Non
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The decoder's hot ops (signatures as the portable functions above). `name` says which backend it is;
-    `fallbacks` counts, per op and reason, the calls a compiled table handed to the portable op (empty here)."""
+    `fallbacks` counts, per op and reason, the calls a compiled table handed to the portable op (empty here);
+    `row_multiple`: bands and tiles must start on a multiple of this many rows at every level for the ops to give
+    the same result as on the whole frame (Winograd pairs output rows into 2x2 tiles counted from the frame's top;
+    direct convs do not care)."""
 
     name: str
     conv3d: Callable[..., None]
@@ -172,6 +175,7 @@ class Ops:
     dup_up_add: Callable[..., None]
     unpatchify_clamp: Callable[..., None]
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
+    row_multiple: int = 1
 
 
 TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)

@@ -60,7 +60,7 @@ def verify_ops(table: Ops, device: torch.device) -> None:
     judge(self_check(table, device), f"op table {table.name}", device)
 
 
-def _verdict_file(ext, device: torch.device) -> Path:
+def _verdict_file(ext, device: torch.device, winograd: bool) -> Path:
     """Where a passing verdict is kept: under the build cache, keyed by the extension (a built module's file names
     its build key), the device model, its driver and torch."""
     if device.type == "cuda":
@@ -68,16 +68,17 @@ def _verdict_file(ext, device: torch.device) -> Path:
         device_id = [props.name, list(torch.cuda.get_device_capability(device)), driver_version()]
     else:
         device_id = [device.type]
-    key = hashlib.sha256(json.dumps([ext.arch(), getattr(ext, "__file__", type(ext).__name__), *device_id,
+    key = hashlib.sha256(json.dumps([ext.arch(), getattr(ext, "__file__", type(ext).__name__), winograd, *device_id,
                                      torch.version.cuda, torch.__version__]).encode()).hexdigest()[:16]
     return build.default_root() / "verdicts" / f"selfcheck-{key}.json"
 
 
-def verify_build_isolated(ext, device: torch.device, timeout_s: float = SELF_CHECK_TIMEOUT_S) -> list[CaseResult]:
-    """Self-check the built extension on `device` in a child process (see the module notes); returns the results
-    or raises CompiledUnavailable."""
-    arch = ext.arch()
-    verdict = _verdict_file(ext, device)
+def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
+                          timeout_s: float = SELF_CHECK_TIMEOUT_S) -> list[CaseResult]:
+    """Self-check the built extension's op table on `device` in a child process (see the module notes), with its
+    (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises CompiledUnavailable."""
+    arch = ext.arch() + (" + Winograd F(2x2)" if winograd else "")
+    verdict = _verdict_file(ext, device, winograd)
     if verdict.is_file():
         try:
             results = [CaseResult.from_json(r) for r in json.loads(verdict.read_text())]
@@ -86,8 +87,8 @@ def verify_build_isolated(ext, device: torch.device, timeout_s: float = SELF_CHE
         except (ValueError, TypeError, KeyError, CompiledUnavailable):
             pass  # unreadable or failing: check again
     try:
-        done = subprocess.run(child_command(__name__, str(device), arch), capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run(child_command(__name__, str(device), ext.arch(), str(int(winograd))),
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise CompiledUnavailable(f"the self-check of the compiled kernels on {device} did not finish in "
                                   f"{timeout_s:.0f} s") from exc
@@ -108,12 +109,12 @@ def verify_build_isolated(ext, device: torch.device, timeout_s: float = SELF_CHE
 
 
 def child_main(argv: list[str]) -> None:
-    """In the child: open the extension for argv[1] (built: from the cache), self-check it on device argv[0], print
-    the results."""
+    """In the child: open the extension for argv[1] (built: from the cache), self-check its op table (Winograd convs
+    if argv[2] is "1") on device argv[0], print the results."""
     device = torch.device(argv[0])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    results = self_check(make_ops(open_extension(argv[1])), device)
+    results = self_check(make_ops(open_extension(argv[1]), winograd_convs=argv[2] == "1"), device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     print(_RESULT_TAG + json.dumps([r.to_json() for r in results]), flush=True)
