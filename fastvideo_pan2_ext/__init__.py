@@ -15,7 +15,7 @@ __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "register", "__version__"]
 
 
 def register() -> None:
-    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; see `integration.registration`)."""
+    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; `integration.registration`)."""
     from fastvideo_pan2_ext.integration.registration import register as _register
 
     _register()

@@ -92,3 +92,17 @@ def diffusers_decode(vae, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The oracle: `vae.to(dtype).decode(z.to(dtype)).sample` (the VAE is cast in place)."""
     with torch.no_grad():
         return vae.to(dtype).decode(z.to(dtype)).sample
+
+
+def winograd_problem(n, ti, hi, width, ci, co, kt, seed, residual=False):
+    """One (kt, 3, 3) conv's operands like the decoder's: activation-like bf16 inputs (SiLU of RMS-normed noise),
+    randn / sqrt(fan_in) bf16 weights, an fp32 bias, and optionally a bf16 residual. -> (x, w, b, residual)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+    x = F.silu(F.normalize(torch.randn(n, ti, hi, width, ci, generator=g), dim=-1) * ci ** 0.5).to(bf16)
+    w = (torch.randn(co, kt, 3, 3, ci, generator=g) / math.sqrt(9 * kt * ci)).to(bf16)
+    b = 0.1 * torch.randn(co, generator=g)
+    res = torch.randn(n, ti - kt + 1, hi - 2, width, co, generator=g).to(bf16) if residual else None
+    return x, w, b, res

@@ -22,7 +22,8 @@ def wan22_state_dict(wan22_vae):
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """The tiny PAN2 checkpoint, made once per session by `python -m fastvideo_pan2_ext.demo.tiny_checkpoints` (see _pan2_helpers)."""
+    """The tiny PAN2 checkpoint, made once per session by `python -m fastvideo_pan2_ext.demo.tiny_checkpoints`
+    (see _pan2_helpers)."""
     from _pan2_helpers import tiny_checkpoint
 
     return tiny_checkpoint(tmp_path_factory.getbasetemp())

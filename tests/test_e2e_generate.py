@@ -44,8 +44,8 @@ DEMO_SCRIPT = textwrap.dedent("""
 
 
 def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tiny_ckpt, tmp_path):
-    """`python -m fastvideo_pan2_ext.demo` is `VideoGenerator.from_pretrained(path,
-    pipeline_config=PAN2PipelineConfig(vae_decode_kernel=True))` + `generate(request)`: run it on the tiny checkpoint."""
+    """`python -m fastvideo_pan2_ext.demo` is `VideoGenerator.from_config(...)` with
+    `PAN2PipelineConfig(vae_decode_kernel=True)` + `generate(request)`: run it on the tiny checkpoint."""
     script = tmp_path / "demo.py"
     script.write_text(DEMO_SCRIPT)
     stand_in = fake_flash_attn(tmp_path / "stand_in")

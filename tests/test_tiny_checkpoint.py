@@ -1,4 +1,5 @@
-"""`python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR`: a PAN2 checkpoint made offline from the real component classes.
+"""`python -m fastvideo_pan2_ext.demo.tiny_checkpoints OUT_DIR`: a PAN2 checkpoint made offline from the real
+component classes.
 (FastVideo's own loaders reading it is proven by the in-process and e2e tests, which build pipelines from it.)"""
 
 from __future__ import annotations

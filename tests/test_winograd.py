@@ -4,11 +4,11 @@ caches as documented. The error study behind the numbers is tools/winograd_error
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from _vae_helpers import winograd_problem
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
@@ -18,16 +18,6 @@ from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights, reference_co
 from fastvideo_pan2_ext.vae_kernel.winograd import conv3d_winograd, winograd_ops, winograd_weights
 
 bf16 = torch.bfloat16
-
-
-def _problem(n, ti, hi, width, ci, co, kt, seed, residual=False):
-    """Activation-like bf16 inputs (silu of RMS-normed noise), randn / sqrt(fan_in) bf16 weights, fp32 bias."""
-    g = torch.Generator().manual_seed(seed)
-    x = F.silu(F.normalize(torch.randn(n, ti, hi, width, ci, generator=g), dim=-1) * ci ** 0.5).to(bf16)
-    w = (torch.randn(co, kt, 3, 3, ci, generator=g) / math.sqrt(9 * kt * ci)).to(bf16)
-    b = 0.1 * torch.randn(co, generator=g)
-    res = torch.randn(n, ti - kt + 1, hi - 2, width, co, generator=g).to(bf16) if residual else None
-    return x, w, b, res
 
 
 # (N, Ti, Hi, W, Ci, Co, kt): odd rows and widths (tile grid padded, crop on store), a 1-column frame, kt = 1,
@@ -40,7 +30,7 @@ SHAPES = [(1, 4, 9, 7, 5, 6, 3), (2, 3, 3, 1, 3, 4, 1), (1, 5, 8, 10, 16, 12, 3)
 def test_fp32_winograd_equals_the_direct_conv(tile, shape):
     """With fp32 operands (fp32 U, so V stays fp32 too) the algorithm is the conv up to fp32 rounding: this checks
     the B, G, A matrices, the tiling, padding and cropping, the time taps, bias and residual."""
-    x, w, b, res = (t.float() for t in _problem(*shape, seed=1, residual=True))
+    x, w, b, res = (t.float() for t in winograd_problem(*shape, seed=1, residual=True))
     expected = reference_conv3d(x.double(), w.double(), b.double(), res.double())
     out = torch.empty(expected.shape)
     conv3d_winograd(x, winograd_weights(w, tile, torch.float32), b, out, res, tile)
@@ -55,7 +45,7 @@ def test_bf16_f2_meets_the_allowance_against_the_direct_bf16_conv(shape, case):
     the fp32 conv of the same bf16 operands; baseline: the direct conv in bf16 (the portable op). Its extra error
     must be real (the rounding points are there) and inside 3x the baseline's max and RMS."""
     n, ti, hi, width, _, co, kt = shape
-    x, w, b, res = _problem(*shape, seed=2, residual=case == "residual")
+    x, w, b, res = winograd_problem(*shape, seed=2, residual=case == "residual")
     out_shape = (n, ti - kt + 1, hi - 2, width, co)
     if case == "strided out":  # frames of a bigger buffer, as the decoder's causal windows
         out = torch.zeros(n, out_shape[1] + 2, *out_shape[2:], dtype=bf16)[:, 2:]
@@ -73,7 +63,7 @@ def test_bf16_f2_meets_the_allowance_against_the_direct_bf16_conv(shape, case):
 def test_table_runs_3x3_convs_by_winograd_and_the_rest_direct_with_weights_transformed_once():
     table = winograd_ops(TORCH_OPS, tile=2)
     conv = table.conv3d
-    x, w, b, _ = _problem(1, 4, 6, 5, 8, 8, 3, seed=3)
+    x, w, b, _ = winograd_problem(1, 4, 6, 5, 8, 8, 3, seed=3)
     out, direct = torch.empty(1, 2, 4, 5, 8, dtype=bf16), torch.empty(1, 2, 4, 5, 8, dtype=bf16)
     table.conv3d(x, w, b, out)
     TORCH_OPS.conv3d(x, w, b, direct)
@@ -100,7 +90,7 @@ def test_table_runs_3x3_convs_by_winograd_and_the_rest_direct_with_weights_trans
 @pytest.mark.parametrize("keep_direct", [[(8, 8, 3)], lambda co, ci, kt: ci == 8])
 def test_listed_layer_shapes_stay_direct(keep_direct):
     table = winograd_ops(TORCH_OPS, tile=4, keep_direct=keep_direct)
-    x, w, b, _ = _problem(1, 4, 6, 5, 8, 8, 3, seed=5)
+    x, w, b, _ = winograd_problem(1, 4, 6, 5, 8, 8, 3, seed=5)
     out, direct = torch.empty(1, 2, 4, 5, 8, dtype=bf16), torch.empty(1, 2, 4, 5, 8, dtype=bf16)
     table.conv3d(x, w, b, out)
     TORCH_OPS.conv3d(x, w, b, direct)

@@ -19,7 +19,8 @@ import subprocess
 import numpy
 import pytest
 import torch
-import torch.nn.functional as F
+
+from _vae_helpers import winograd_problem
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder, build, extension, winograd
@@ -30,15 +31,6 @@ from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS
 from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights, reference_conv3d
 
 bf16 = torch.bfloat16
-
-
-def _problem(n, ti, hi, width, ci, co, kt, seed, residual=False):
-    g = torch.Generator().manual_seed(seed)
-    x = F.silu(F.normalize(torch.randn(n, ti, hi, width, ci, generator=g), dim=-1) * ci ** 0.5).to(bf16)
-    w = (torch.randn(co, kt, 3, 3, ci, generator=g) / math.sqrt(9 * kt * ci)).to(bf16)
-    b = 0.1 * torch.randn(co, generator=g)
-    res = torch.randn(n, ti - kt + 1, hi - 2, width, co, generator=g).to(bf16) if residual else None
-    return x, w, b, res
 
 
 def _portable(x, w, b, out_shape, residual):
@@ -57,7 +49,7 @@ SHAPES = [(1, 4, 9, 7, 8, 8, 3), (2, 5, 8, 10, 16, 12, 3), (1, 3, 7, 13, 24, 16,
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_path_equals_the_portable_winograd_bit_for_bit(shape, case, band_bytes):
     n, ti, hi, width, _, co, kt = shape
-    x, w, b, res = _problem(*shape, seed=11, residual=case == "residual")
+    x, w, b, res = winograd_problem(*shape, seed=11, residual=case == "residual")
     out_shape = (n, ti - kt + 1, hi - 2, width, co)
     if case == "strided out":  # frames of a bigger buffer, as the decoder's causal windows
         out = torch.zeros(n, out_shape[1] + 2, *out_shape[2:], dtype=bf16)[:, 2:]
@@ -78,7 +70,7 @@ def test_kernel_path_equals_the_portable_winograd_bit_for_bit(shape, case, band_
 
 
 def test_layouts_the_kernels_cannot_take_run_the_portable_winograd_and_are_counted():
-    x, w, b, res = _problem(1, 4, 6, 5, 8, 8, 3, seed=12, residual=True)
+    x, w, b, res = winograd_problem(1, 4, 6, 5, 8, 8, 3, seed=12, residual=True)
     u = winograd_kernel_weights(w)
     out_shape = (1, 2, 4, 5, 8)
     flat = torch.zeros(1 + math.prod(out_shape), dtype=bf16)
@@ -94,7 +86,7 @@ def test_layouts_the_kernels_cannot_take_run_the_portable_winograd_and_are_count
     winograd.conv3d_winograd(x.float(), winograd.winograd_weights(w, 2).float(), b, expected32)
     assert torch.equal(out32, expected32)
 
-    x12, w12, b12, _ = _problem(1, 4, 6, 5, 12, 8, 3, seed=13)  # channels not a multiple of 8
+    x12, w12, b12, _ = winograd_problem(1, 4, 6, 5, 12, 8, 3, seed=13)  # channels not a multiple of 8
     out12 = torch.empty(out_shape, dtype=bf16)
     kernels.winograd_conv3d(x12, winograd_kernel_weights(w12), b12, out12)
     assert torch.equal(out12, _portable(x12, w12, b12, out_shape, None))
@@ -111,7 +103,7 @@ def test_the_table_runs_3x3_convs_by_the_kernels_with_weights_transformed_once()
     ext = EmulatedExtension()
     table = make_ops(ext, winograd_convs=True)
     assert table.name == "compiled+winograd-f2x2"
-    x, w, b, res = _problem(1, 4, 6, 5, 8, 16, 3, seed=14, residual=True)
+    x, w, b, res = winograd_problem(1, 4, 6, 5, 8, 16, 3, seed=14, residual=True)
     out = torch.empty(1, 2, 4, 5, 16, dtype=bf16)
     for _ in range(2):
         table.conv3d(x, w, b, out, res)
@@ -322,7 +314,7 @@ def test_built_steps_equal_the_emulated_steps(built, shape):
     """Transforms bit for bit; the GEMMs (fp32 accumulation in another order) to fp32 rounding."""
     _, ti, hi, width, ci, co, kt = shape
     co += -co % 8
-    x, w, _, _ = _problem(1, ti, hi, width, ci, co, kt, seed=21)
+    x, w, _, _ = winograd_problem(1, ti, hi, width, ci, co, kt, seed=21)
     x, u = x[0].cuda(), winograd_kernel_weights(w.cuda())
     tiles = math.ceil((hi - 2) / 2) * math.ceil(width / 2)
     emulated = EmulatedExtension()
@@ -347,7 +339,7 @@ def test_built_steps_equal_the_emulated_steps(built, shape):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_built_winograd_conv_meets_the_allowance_and_matches_the_portable_one(built, shape, band_bytes):
     n, ti, hi, width, _, co, kt = shape
-    x, w, b, res = (t.cuda() for t in _problem(*shape, seed=22, residual=True))
+    x, w, b, res = (t.cuda() for t in winograd_problem(*shape, seed=22, residual=True))
     out_shape = (n, ti - kt + 1, hi - 2, width, co)
     out = torch.zeros(n, out_shape[1] + 2, *out_shape[2:], dtype=bf16, device="cuda")[:, 2:]  # strided frames
     kernels = CompiledKernels(built, collections.Counter())

@@ -8,10 +8,10 @@ The layout under the root (`$WAN22_VAE_DECODE_BUILD_DIR`, default `~/.cache/fast
     locks/<name>-<key>.lock     flock; only saves duplicate work
 
 The key hashes everything that changes the binary (sources and headers, flags, arch list, compiler versions, torch /
-CUDA / Python versions, and the spec's `key_extras`: for the decoder, the CUTLASS and package versions). A build is published by one atomic
-`os.rename` of a complete staging directory, so readers never see half an entry; the loser of a race discards its
-copy and uses the winner's. The lock is an `flock`, which the kernel drops when its holder dies (even by SIGKILL), and
-waiters give up on it after a timeout and build anyway: correctness never depends on it.
+CUDA / Python versions, and the spec's `key_extras`: for the decoder, the CUTLASS and package versions). A build is
+published by one atomic `os.rename` of a complete staging directory, so readers never see half an entry; the loser
+of a race discards its copy and uses the winner's. The lock is an `flock`, which the kernel drops when its holder
+dies (even by SIGKILL), and waiters give up on it after a timeout and build anyway: correctness never depends on it.
 
 The compiler runs in a child process (`python build.py <request.json>`), so this process only ever imports the
 published, verified binary. `load_extension` is generic over the extension; `extension.py` passes the decoder's.

@@ -75,10 +75,10 @@ class WanVAEDecoder:
     `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, frames_per_pass=4, local=False, backend="auto")`
     takes diffusers' (or FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
-    [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and rank 0 returns the
-    video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto" (compiled where built
-    and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU too), or an `ops.Ops`
-    table to run as given.
+    [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
+    rank 0 returns the video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto"
+    (compiled where built and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU
+    too), or an `ops.Ops` table to run as given.
     `tile_rows=n` (or `enable_tiling(n)`): exact tiled decode of a single-rank decoder, n latent rows per tile.
     `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder picks, per latent shape, the largest tile
     whose peak working memory (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video)

@@ -237,8 +237,8 @@ def decode_check(table: Ops, device: torch.device) -> CaseResult:
 def self_check(table: Ops, device: torch.device, configs=None, keep_going: bool = False,
                seed: int = 0) -> list[CaseResult]:
     """Run every op the table replaces at every signature the decoders of `configs` use, then (if all pass) a small
-    whole decode (`configs` default: `SUPPORTED_CONFIGS`). Returns the results, up to the first failing case (every case with `keep_going`, for a full
-    diagnosis); the caller judges. Works for any op table, on CPU too."""
+    whole decode (`configs` default: `SUPPORTED_CONFIGS`). Returns the results, up to the first failing case (every
+    case with `keep_going`, for a full diagnosis); the caller judges. Works for any op table, on CPU too."""
     g = torch.Generator().manual_seed(seed)
     results = []
     with torch.no_grad(), exact_fp32():

@@ -247,4 +247,5 @@ def winograd_ops(base_ops, tile: int = 2,
     """`base_ops` (an ops.Ops) with its conv3d replaced by
     `WinogradConv3d(base_ops.conv3d, tile, keep_direct, conv, transform)`."""
     conv = WinogradConv3d(base_ops.conv3d, tile, keep_direct, conv, transform)
-    return dataclasses.replace(base_ops, row_multiple=tile, name=f"{base_ops.name}+winograd-f{tile}x{tile}", conv3d=conv)
+    return dataclasses.replace(base_ops, row_multiple=tile, name=f"{base_ops.name}+winograd-f{tile}x{tile}",
+                               conv3d=conv)

@@ -9,7 +9,8 @@ It prints where the video and a contact sheet of its frames are, and how long ea
 
     python -m fastvideo_pan2_ext.demo [--checkpoint DIR] [--image IMG] [--out out/] [--decoder kernel|fastvideo] ...
 
-(`python -m fastvideo_pan2_ext.demo.reference_decoder` is the other demo: the reference VAE decoder alone, no FastVideo.)
+(`python -m fastvideo_pan2_ext.demo.reference_decoder` is the other demo: the reference VAE decoder alone, no
+FastVideo.)
 """
 
 from __future__ import annotations

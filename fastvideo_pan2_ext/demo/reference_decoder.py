@@ -1,7 +1,7 @@
 """Demo: decode a latent clip with the reference Wan2.2 VAE decoder and write an mp4 plus a PNG contact sheet.
 
-    python -m fastvideo_pan2_ext.demo.reference_decoder [--out out/demo] [--frames 17] [--height 256] [--width 256] [--seed 0]
-                                      [--dtype float32|bfloat16] [--fps 12]
+    python -m fastvideo_pan2_ext.demo.reference_decoder [--out out/demo] [--frames 17] [--height 256]
+        [--width 256] [--seed 0] [--dtype float32|bfloat16] [--fps 12]
 
 No checkpoint is needed: the weights are a seeded random Wan2.2-layout decoder (48 latent channels, 16x spatial and
 4x temporal upsampling, patch size 2) at a narrow width, and the latents are smooth moving waves. Plain random conv
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = to_uint8_frames(video)
     mp4, sheet = args.out / "reference_decode.mp4", args.out / "reference_decode_frames.png"
     write_mp4(frames, mp4, args.fps)
-    write_contact_sheet(frames, sheet, args.fps, f"reference decode of a moving wave, random weights (seed {args.seed})")
+    write_contact_sheet(frames, sheet, args.fps,
+                        f"reference decode of a moving wave, random weights (seed {args.seed})")
     written = time.perf_counter()
 
     print(f"latents {[1, Z_DIM, *latent_shape]} -> video {list(video.shape)} ({args.dtype}, "

@@ -2,7 +2,7 @@
 
 A PAN2 checkpoint is a diffusers-layout folder of a Wan2.2-TI2V-5B-class model. FastVideo picks a pipeline config
 for a folder by its name or its `model_index.json` class name, so PAN2 is recognised by either of:
-- `model_index.json` names `PAN2Pipeline` as its class (what `python -m fastvideo_pan2_ext.demo.tiny_checkpoints` writes), or
+- `model_index.json` names `PAN2Pipeline` as its class (what `demo.tiny_checkpoints` writes), or
 - the folder's own name contains "pan2" (as FastVideo's detectors match e.g. "lucy-edit" or "turbodiffusion").
 
 `check_pan2_checkpoint` is the stricter check `--pipeline pan2` runs before anything loads: the folder must hold the
