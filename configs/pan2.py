@@ -15,11 +15,10 @@ from fastvideo.api.sampling_param import SamplingParam
 from fastvideo.configs.pipelines.wan import Wan2_2_TI2V_5B_Config
 
 from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
+from fastvideo_pan2_ext.vae_kernel.architecture import latent_frames
 from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
 
-MODEL_FAMILY = "pan2"
-PRESET_NAME = "pan2"
-PIPELINE_CLASS_NAME = "PAN2Pipeline"
 
 DEFAULT_HEIGHT = 704
 DEFAULT_WIDTH = 1248
@@ -74,14 +73,17 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
                            "vae_decode_max_memory or vae_decode_tile_rows (exact tiles).")
 
     def check_vae_options(self) -> None:
-        """ValueError naming the first bad decoder option; then PAN2's switch and options become the Wan VAE
-        config's (`vae_config.decode_kernel` and its options: the one switch FastVideo's Wan VAE obeys). Also run
-        by the parent before a request and by the decoding stage: FastVideo may set fields after construction."""
-        check_decode_options(self.vae_frames_per_pass, self.vae_decode_tile_rows, self.vae_decode_max_memory,
-                             self.vae_decode_kernel, PAN2_NAMES)
-        vae = self.vae_config
-        vae.decode_kernel, vae.decode_frames_per_pass = self.vae_decode_kernel, self.vae_frames_per_pass
-        vae.decode_tile_rows, vae.decode_max_memory = self.vae_decode_tile_rows, self.vae_decode_max_memory
+        """ValueError naming the first bad decoder option; then PAN2's switch and options, when they changed since
+        the last call, become the Wan VAE config's (`vae_config.decode_kernel` and its options: the one switch
+        FastVideo's Wan VAE obeys), so a `vae_config.decode_kernel` set directly stays set. Also run by the parent
+        before a request and by the decoding stage: FastVideo may set fields after construction."""
+        values = (self.vae_decode_kernel, self.vae_frames_per_pass, self.vae_decode_tile_rows,
+                  self.vae_decode_max_memory)
+        check_decode_options(*values[1:], values[0], PAN2_NAMES)
+        if values != getattr(self, "_vae_options_synced", None):
+            vae = self.vae_config
+            vae.decode_kernel, vae.decode_frames_per_pass, vae.decode_tile_rows, vae.decode_max_memory = values
+            self._vae_options_synced = values
         if not getattr(self.vae_config, "use_feature_cache", True):
             raise ValueError("vae_config.use_feature_cache=False is not supported for PAN2: FastVideo 0.2.1's tiled "
                              "Wan VAE paths do not patchify/unpatchify a Wan2.2 VAE (wrong video or a crash). For "
@@ -95,15 +97,9 @@ PAN2_FIELDS = PAN2_NAMES = ("vae_decode_kernel", "vae_frames_per_pass", "vae_dec
 
 
 def check_frame_count(num_frames) -> None:
-    """PAN2's VAE makes one video frame from the first latent frame and four from each later one: 4k + 1 frames.
-    FastVideo would silently make the next smaller such count; say so before any work starts instead."""
-    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or num_frames % 4 != 1:
-        if isinstance(num_frames, int) and not isinstance(num_frames, bool) and num_frames > 1:
-            hint = f": ask for {num_frames - (num_frames - 1) % 4} or {num_frames - (num_frames - 1) % 4 + 4}"
-        else:
-            hint = ""
-        raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 121, ...: one frame from the first latent frame, "
-                         f"four from each later one); got {num_frames!r}{hint}")
+    """PAN2 makes 4k + 1 frames (`architecture.latent_frames`); FastVideo would silently make the next smaller such
+    count: say so before any work starts instead."""
+    latent_frames(num_frames)
 
 
 def check_videos_per_request(num_videos_per_prompt) -> None:

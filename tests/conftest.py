@@ -29,10 +29,10 @@ def tiny_ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.getbasetemp())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pan2(tiny_ckpt):
     """(pipeline, fastvideo_args) for the tiny checkpoint, built in this process the way a FastVideo worker builds
-    it (FastVideo's own `build_pipeline`), once per test module."""
+    it (FastVideo's own `build_pipeline`), once per test run (tests that change its config restore it)."""
     import os
 
     from _pan2_helpers import free_port

@@ -44,9 +44,16 @@ def test_fa4_off_without_flash_attn_cute(no_flash_attn):
     assert fa4_decision((10, 0), environ={}) is False
 
 
-@pytest.mark.parametrize("value", ["0", "1", "", "false"])
+@pytest.mark.parametrize("value", ["0", "1"])
 def test_explicit_fastvideo_fa4_is_always_respected(fa4_installed, value):
     assert fa4_decision((10, 0), environ={"FASTVIDEO_FA4": value}) is False
+
+
+@pytest.mark.parametrize("value", ["", "false", "banana", " 1"])
+def test_an_fastvideo_fa4_value_other_than_0_or_1_is_refused(fa4_installed, value):
+    """FastVideo reads any value but "0" as on: a typo would silently turn FA4 on."""
+    with pytest.raises(ValueError, match=r"FASTVIDEO_FA4 must be unset, 0 or 1; got"):
+        fa4_decision((10, 0), environ={"FASTVIDEO_FA4": value})
 
 
 def test_no_gpu_means_no_fa4(fa4_installed):

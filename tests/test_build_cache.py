@@ -21,6 +21,8 @@ import pytest
 
 from fastvideo_pan2_ext.vae_kernel import build
 
+pytestmark = pytest.mark.slow  # real compiles racing each other
+
 TINY_SOURCE = """
 #include <pybind11/pybind11.h>
 static int add(int a, int b) { return a + b + TINY_OFFSET; }
@@ -48,8 +50,8 @@ def _env() -> dict:
 
 def _start(root: Path, source: Path, offset: int, lock: bool = True, prefix: list[str] = (),
            **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, "-c", BUILDER, str(root), str(source), str(offset), "1" if lock else "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), **kwargs)
+    command = [*prefix, sys.executable, "-c", BUILDER, str(root), str(source), str(offset), "1" if lock else "0"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), **kwargs)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> dict:

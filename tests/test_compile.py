@@ -19,6 +19,7 @@ import torch
 from fastvideo_pan2_ext.vae_kernel import build, extension
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine"),
     pytest.mark.timeout(1800),
 ]

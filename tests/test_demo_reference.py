@@ -93,7 +93,7 @@ def test_demo_weights_are_a_complete_seeded_wan22_decoder():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--frames", "8"], "must be 4k+1"),
+        (["--frames", "8"], "must be 4k + 1"),
         (["--frames", "0"], "must be >= 1"),
         (["--frames", "many"], "must be an integer"),
         (["--height", "100"], "must be a multiple of 16"),

@@ -8,8 +8,11 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import pytest
 from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, exif_rotated_jpeg,
                            fake_flash_attn, last_json_line, run, video_frames_and_size)
+
+pytestmark = pytest.mark.slow  # FastVideo end to end, in worker processes
 
 
 def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckpt, tmp_path):

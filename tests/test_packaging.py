@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _source_tree import REPO, copy_source_tree, source_files
 
+pytestmark = pytest.mark.slow  # builds a wheel
+
 NAMESPACE = "fastvideo_pan2_ext"
 # Top-level folder of the design card -> where it is installed.
 ROOMS = {

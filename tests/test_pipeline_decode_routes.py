@@ -132,6 +132,32 @@ def test_options_set_after_the_config_was_made_are_checked_at_decode(pan2, tiny_
 
 
 # ------------------------------------------------------------------------------------------------------------------
+def test_fastvideos_own_switch_set_on_a_pan2_config_is_obeyed(pan2, tiny_ckpt, plain):
+    """`vae_config.decode_kernel=True` (the generic switch, as a CLI override sets it after the config was made)
+    decodes a PAN2 request with the fast decoder although PAN2's own `vae_decode_kernel` is False."""
+    pipeline, args = pan2
+    with _config(args, vae_frames_per_pass=2) as config:
+        config.check_vae_options()
+        config.vae_config.decode_kernel = True
+        batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
+        batch.latents = LATENTS.clone()
+        output = pipeline._stage_name_mapping["decoding_stage"](batch, args).output
+        assert config.vae_config.decode_kernel and not config.vae_decode_kernel
+    assert torch.equal(output, plain)
+    assert not args.pipeline_config.vae_config.decode_kernel  # PAN2's switch changed back: it wins again
+
+
+def test_a_light_wan_vae_with_the_fast_decoder_is_a_clear_error(pan2):
+    from fastvideo.configs.models.vaes import WanVAEConfig
+
+    config = WanVAEConfig(use_light_vae=True)
+    config.decode_kernel = True
+    with pytest.raises(ValueError, match=r"cannot decode a light VAE \(vae_config.use_light_vae=True"):
+        fast_decode.options(config)
+    config.decode_kernel = False
+    assert fast_decode.options(config) is None
+
+
 # FastVideo's own VAE switches, as they act on PAN2 (the non-kernel route and the first-frame encode)
 # ------------------------------------------------------------------------------------------------------------------
 

@@ -11,9 +11,13 @@ import sys
 import sysconfig
 import textwrap
 import zipfile
+
+import pytest
 from pathlib import Path
 
 from _pan2_helpers import REPO, last_json_line, run
+
+pytestmark = pytest.mark.slow  # builds and installs wheels
 
 PTH = "fastvideo_pan2_ext-plugins.pth"
 

@@ -71,6 +71,19 @@ def video_frames(latent_frames: int) -> int:
     return 4 * latent_frames - 3
 
 
+def latent_frames(video_frames: int) -> int:
+    """The latent frames that decode to `video_frames` (ValueError unless it is 4k + 1, naming the nearest two)."""
+    if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 1 or \
+            video_frames % 4 != 1:
+        hint = ""
+        if isinstance(video_frames, int) and not isinstance(video_frames, bool) and video_frames > 1:
+            below = video_frames - (video_frames - 1) % 4
+            hint = f": ask for {below} or {below + 4}"
+        raise ValueError(f"num_frames must be 4k + 1 (1, 5, 9, ..., 121, ...: one frame from the first latent frame, "
+                         f"four from each later one); got {video_frames!r}{hint}")
+    return (video_frames - 1) // 4 + 1
+
+
 def video_shape(config: WanVAEConfig, latents_shape) -> tuple[int, int, int, int, int]:
     """[B, 3, 4T - 3, s*h, s*w] for latents [B, z_dim, T, h, w] (s = `config.spatial_scale`)."""
     b, _, t, h, w = latents_shape

@@ -98,12 +98,10 @@ class WanVAEDecoder:
         self.device = _resolve_device(device)
         self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
         self.ops = select_ops(backend, self.device, conv_algorithm)
-        if local:
-            self.pg = None
-        elif pg is not None:
-            self.pg = pg
-        else:
-            self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if pg is None and not local and dist.is_available() and dist.is_initialized():
+            pg = dist.group.WORLD
+        # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
+        self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device, self.frames_per_pass)
         if tile_rows is not None:
             self.enable_tiling(tile_rows)

@@ -80,7 +80,7 @@ class EmulatedExtension:
         v.copy_(winograd.input_transform(xp, 2, v.dtype))
 
     def winograd_products(self, v, u, m) -> None:
-        components, ti, tiles, ci = v.shape
+        _, ti, tiles, ci = v.shape
         kt, _, co, u_ci = u.shape
         frames = ti - kt + 1
         if not (v.is_contiguous() and u.is_contiguous() and m.is_contiguous()) or m.dtype != torch.float32:
@@ -88,10 +88,8 @@ class EmulatedExtension:
         if u_ci != ci or ci % 8 or co % 8 or tuple(m.shape) != (16, frames, tiles, co):
             raise RuntimeError(f"v {list(v.shape)}, u {list(u.shape)}, m {list(m.shape)} do not fit")
         self._enter("winograd_products", m)
-        acc = m.view(components, frames * tiles, co).zero_()
-        for t in range(kt):  # fp32 GEMMs on the bf16 operands: exact products, as winograd.conv3d_winograd
-            acc.baddbmm_(v[:, t:t + frames].float().reshape(components, -1, ci),
-                         u[t].transpose(-1, -2).float().contiguous())
+        # The extension's U is K-major [kt, a^2, Co, Ci]; the products are rounding point 3's.
+        m.copy_(winograd.winograd_products(v, u.transpose(-1, -2).contiguous()).view_as(m))
 
     def winograd_output_transform(self, m, b, out, residual) -> None:
         frames, rows, width, co = out.shape

@@ -20,7 +20,7 @@ from .architecture import WanVAEConfig, video_frames
 from .bands import LocalRows
 from .network import DecodeState, NetworkPass, Tile
 from .ops import Ops
-from .precision import exact_fp32
+from .precision import own_arithmetic
 
 _PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
 
@@ -62,10 +62,10 @@ class PassRunner:
         passes = latent_passes(t, self.frames_per_pass)
         progress = _progress(batch * len(passes), rows.is_root)
         p = self.config.patch_size
-        with torch.no_grad(), exact_fp32():
-            for b in range(batch):
-                state = DecodeState(self.device)
-                for t0, t1 in passes:
+        for b in range(batch):
+            state = DecodeState(self.device)
+            for t0, t1 in passes:
+                with own_arithmetic(self.device):
                     out = NetworkPass(self.ops, self.weights, self.config, rows, state, t0 == 0).run(
                         latents[b, :, t0:t1, lo:hi])
                     chunk = torch.empty((1, 3, out.shape[1], p * out.shape[2], p * out.shape[3]),
@@ -76,9 +76,9 @@ class PassRunner:
                     del chunk
                     if parts is not None:
                         parts = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
-                    progress.update(1)
-                    yield b, pass_video_frames(t0, t1).start, parts
-                    del parts
+                progress.update(1)
+                yield b, pass_video_frames(t0, t1).start, parts
+                del parts
         progress.close()
 
     def tile_pass(self, z: torch.Tensor, t0: int, t1: int, rows: tuple[int, int], state: DecodeState,
@@ -98,18 +98,18 @@ class PassRunner:
         passes = latent_passes(t, self.frames_per_pass)
         s = self.config.spatial_scale
         progress = _progress(batch * len(passes), True)
-        with torch.no_grad(), exact_fp32():
-            for b in range(batch):
-                states = [DecodeState(self.device) for _ in tiles]
-                for t0, t1 in passes:
-                    frames = pass_video_frames(t0, t1)
-                    chunk = self._chunk(len(frames), height, width)
+        for b in range(batch):
+            states = [DecodeState(self.device) for _ in tiles]
+            for t0, t1 in passes:
+                frames = pass_video_frames(t0, t1)
+                chunk = self._chunk(len(frames), height, width)
+                with own_arithmetic(self.device):
                     for (start, stop), state in zip(tiles, states):
                         self.tile_pass(latents[b], t0, t1, (start, stop), state, chunk[..., s * start:s * stop, :])
-                    progress.update(1)
-                    yield b, frames.start, chunk
-                    del chunk
-                del states
+                progress.update(1)
+                yield b, frames.start, chunk
+                del chunk
+            del states
         progress.close()
 
     def decode_tiles(self, latents: torch.Tensor, video: torch.Tensor, tile_rows: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ class PassRunner:
         passes = latent_passes(t, self.frames_per_pass)
         s = self.config.spatial_scale
         progress = _progress(batch * len(tiles) * len(passes), True)
-        with torch.no_grad(), exact_fp32():
+        with own_arithmetic(self.device):
             for b in range(batch):
                 for start, stop in tiles:
                     state = DecodeState(self.device)

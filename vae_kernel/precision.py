@@ -1,4 +1,5 @@
-"""What "fp32" means here: fp32, not TF32 (the one switch every fp32 computation of this package runs under)."""
+"""What "fp32" means here: fp32, not TF32 (the one switch every fp32 computation of this package runs under); and
+the decoder's arithmetic, which no caller's autocast changes."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ def exact_fp32():
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@contextlib.contextmanager
+def own_arithmetic(device: torch.device):
+    """The decoder's arithmetic is its own (bf16 tensors, fp32 statistics and accumulation, weights prepared in
+    fp32): no autograd, fp32 that means fp32, and no autocast region around it (FastVideo's decoding stage has one)
+    changing an op's dtype. Enter it around work, never across a generator's yield: the caller's code between
+    chunks keeps its own settings."""
+    with torch.no_grad(), exact_fp32(), torch.autocast(device.type, enabled=False):
+        yield

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
+from .precision import own_arithmetic
 
 # Taps of nearest-2x + 3x3 conv seen from the low-resolution input: output phase a reads low-res offsets (a - 1, a)
 # with kernel rows combined as below (phase 0: w0 | w1 + w2; phase 1: w0 + w1 | w2).
@@ -73,10 +74,12 @@ def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch
 def load(vae_or_state_dict, device: torch.device) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
     """Validate the weights and prepare them on `device`."""
     config, tensors = _checked(state_dict_of(vae_or_state_dict))
-    return config, {name: prepare(name, t.to(device)) for name, t in tensors.items()}
+    with own_arithmetic(device):
+        return config, {name: prepare(name, t.to(device)) for name, t in tensors.items()}
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:
     """The prepared tensors, in `weight_names(infer_config(state_dict))` order, on the state dict's device."""
     _, tensors = _checked(state_dict_of(state_dict))
-    return [prepare(name, t) for name, t in tensors.items()]
+    with own_arithmetic(next(iter(tensors.values())).device):
+        return [prepare(name, t) for name, t in tensors.items()]

@@ -143,15 +143,26 @@ def conv3d_winograd(x: torch.Tensor, u: torch.Tensor, b: torch.Tensor, out: torc
         for r0 in range(0, tiles_h, band):
             r1 = min(r0 + band, tiles_h)
             v = input_transform(xp[i, :, r0 * tile:r1 * tile + 2], tile, u.dtype)  # [a^2, Ti, tiles, Ci]
-            m = v.new_zeros((components, frames * v.shape[2], co))
-            for t in range(kt):  # M += V_t U_t for every output frame at once: one batched GEMM per tap
-                m.baddbmm_(v[:, t:t + frames].reshape(components, -1, ci), u[t].float())  # fp32: exact products
+            m = winograd_products(v, u)
             y = output_transform(m.view(alpha, alpha, frames, r1 - r0, tiles_w, co), tile)
             y0, y1 = r0 * tile, min(r1 * tile, rows)
             y = y[:, :y1 - y0, :width].add_(bias)
             if residual is not None:
                 y = y.add_(residual[i, :, y0:y1])
             out[i, :, y0:y1].copy_(y)
+
+
+def winograd_products(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rounding point 3: V [a^2, Ti, tiles, Ci], U [kt, a^2, Ci, Co] -> M [a^2, frames * tiles, Co] fp32, the
+    products summed over channels and time taps in fp32 (one batched GEMM per tap, every output frame at once)."""
+    components, ti, _, ci = v.shape
+    kt = u.shape[0]
+    frames = ti - kt + 1
+    v = v.float()
+    m = v.new_zeros((components, frames * v.shape[2], u.shape[-1]))
+    for t in range(kt):
+        m.baddbmm_(v[:, t:t + frames].reshape(components, -1, ci), u[t].float())
+    return m
 
 
 def check_conv3d_args(x: torch.Tensor, u: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,

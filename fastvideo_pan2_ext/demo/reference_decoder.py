@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes
+from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes, latent_frames
 from fastvideo_pan2_ext.video_io import to_uint8_frames
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels
 DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU
-SPATIAL, TEMPORAL = 16, 4  # the VAE's compression
+SPATIAL = 16  # the Wan2.2 VAE's spatial compression
 
 
 def demo_config() -> WanVAEConfig:
@@ -132,8 +132,10 @@ def write_contact_sheet(frames: np.ndarray, path: Path, fps: float, caption: str
 
 def _frame_count(text: str) -> int:
     value = _positive_int(text)
-    if (value - 1) % TEMPORAL:
-        raise argparse.ArgumentTypeError(f"must be 4k+1 (1, 5, 9, 13, 17, ...); got {value}")
+    try:
+        latent_frames(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -184,8 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    latent_frames = (args.frames - 1) // TEMPORAL + 1
-    latent_shape = (latent_frames, args.height // SPATIAL, args.width // SPATIAL)
+    latent_shape = (latent_frames(args.frames), args.height // SPATIAL, args.width // SPATIAL)
 
     start = time.perf_counter()
     weights = demo_state_dict(args.seed)

@@ -32,7 +32,8 @@ import math
 import sys
 from pathlib import Path
 
-PIPELINE_CLASS_NAME = "PAN2Pipeline"
+from fastvideo_pan2_ext.names import PIPELINE_CLASS_NAME
+
 LATENT_CHANNELS = 48  # PAN2 = Wan2.2-TI2V-5B class: 48-channel latents
 TEXT_DIM = 32
 LAYOUTS = ("pan2", "wan2.2-ti2v", "wan2.1-t2v")

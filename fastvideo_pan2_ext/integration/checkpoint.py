@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 
-PIPELINE_CLASS_NAME = "PAN2Pipeline"
+from fastvideo_pan2_ext.names import PIPELINE_CLASS_NAME
+
 REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 
 

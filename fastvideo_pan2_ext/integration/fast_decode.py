@@ -62,6 +62,9 @@ def options(vae_config) -> DecodeOptions | None:
     """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field)."""
     values = [getattr(vae_config, name, CONFIG_FIELDS[name][1]) for name in CONFIG_FIELDS]
     check_decode_options(*values[1:], enabled=values[0], names=tuple(f"vae_config.{name}" for name in CONFIG_FIELDS))
+    if values[0] and getattr(vae_config, "use_light_vae", False):
+        raise ValueError("vae_config.decode_kernel=True cannot decode a light VAE (vae_config.use_light_vae=True, "
+                         "a pruned Wan VAE the fast decoder does not implement); turn one of them off")
     return DecodeOptions(*values[1:]) if values[0] else None
 
 
@@ -120,8 +123,7 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
 def decode(vae, z: torch.Tensor) -> torch.Tensor:
     """What `AutoencoderKLWan.decode(z)` returns, from the fast decoder: fp32 video in [-1, 1] (bf16 arithmetic with
     fp32 statistics inside; FastVideo's autocast does not reach it)."""
-    with torch.autocast(z.device.type, enabled=False):
-        video = decoder_for(vae, z.device).decode(z)
+    video = decoder_for(vae, z.device).decode(z)
     if video is None:  # a rank other than 0: FastVideo returns rank 0's video, so values here are never used
         return torch.zeros((), device=z.device).expand(video_shape(decoder_for(vae, z.device).config, z.shape))
     return video.float()

@@ -76,11 +76,10 @@ def write_while_decoding(vae, latents: torch.Tensor, request: streamed_save.Stre
     decoder = fast_decode.decoder_for(vae, latents.device)
     chunks = [decoder.decode_iter(latents[b:b + 1]) for b in range(latents.shape[0])]
     start = time.perf_counter()
-    with torch.autocast(latents.device.type, enabled=False):
-        if not decoder.is_root:
-            for _ in zip(*chunks):  # in step with rank 0's writer: each step is one collective decode pass
-                pass
-            return
-        frames = write_grid_stream(chunks, request.path, request.fps)
+    if not decoder.is_root:
+        for _ in zip(*chunks):  # in step with rank 0's writer: each step is one collective decode pass
+            pass
+        return
+    frames = write_grid_stream(chunks, request.path, request.fps)
     logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, request.path,
                 time.perf_counter() - start)

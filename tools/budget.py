@@ -1,0 +1,165 @@
+"""The FLOP and byte budget of one real Wan2.2 decode, and the H200 time it implies (docs/design.md, "The FLOP and
+byte budget"). Counted, not estimated by hand: the decoder's own network runs on the meta device with an op table
+that records every hot call's FLOPs and bytes, and a dispatch mode counts the bytes every other tensor op (the glue:
+history windows, copies, padding) reads and writes.
+
+    python tools/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4]
+
+Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the
+least any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not
+counted: they are bytes). The implied times use the H200 rates measured on the lent machine (docs/design.md): a
+lower bound for a decoder that runs its GEMMs at 790 TFLOP/s and moves every byte at 4.3 TB/s, one after the other.
+Writes bench/results/budget-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
+
+from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.bands import LocalRows  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.network import DecodeState, NetworkPass  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.ops import Ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.weights import prepare  # noqa: E402
+
+GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on the lent H200 (docs/design.md, "The FLOP and byte budget")
+COPY_BYTES = 4.3e12  # device-to-device copy, bytes read + written, same machine
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class Budget:
+    """FLOPs and bytes by kind of work, for the passes run under it."""
+
+    def __init__(self) -> None:
+        self.flops = collections.Counter()
+        self.bytes = collections.Counter()
+        self.winograd_flops = 0  # the 3x3 convs' FLOPs had they run by Winograd F(2x2, 3x3)
+
+    def ops(self) -> Ops:
+        def conv3d(x, w, b, out, residual=None):
+            co, kt, kh, kw, ci = w.shape
+            n, frames, rows, cols, _ = out.shape
+            kind = f"conv {kt}x{kh}x{kw}"
+            self.flops[kind] += 2 * out.numel() * ci * kt * kh * kw
+            self.bytes[kind] += nbytes(x, w, b, out, residual, residual)  # residual read, out written
+            if kh == 3:
+                self.winograd_flops += 2 * n * frames * math.ceil(rows / 2) * math.ceil(cols / 2) * 16 * co * ci * kt
+            else:
+                self.winograd_flops += 2 * out.numel() * ci * kt * kh * kw
+
+        def rms_norm_silu(x, gamma, out, silu=True):
+            self.bytes["rms norm (+ silu)"] += nbytes(x, gamma, out)
+
+        def upsample2x_conv3x3(x, w_sub, b, out):
+            ci = x.shape[-1]
+            self.flops["upsample: 4 sub-pixel 2x2 convs"] += 2 * out.numel() * ci * 4
+            self.winograd_flops += 2 * out.numel() * ci * 4  # stays direct
+            self.bytes["upsample: 4 sub-pixel 2x2 convs"] += nbytes(x, w_sub, b, out)
+
+        def attention(q, kv, out):
+            self.flops["mid-block attention"] += 4 * q.shape[0] * q.shape[1] * kv.shape[1] * q.shape[2]
+            self.bytes["mid-block attention"] += nbytes(q, kv, out)
+
+        def dup_up_add(x, out, factor_t, skip):
+            self.bytes["DupUp shortcut add"] += nbytes(x, out, out)
+
+        def unpatchify_clamp(x, out, patch_size):
+            self.bytes["unpatchify + clamp"] += nbytes(x, out)
+
+        return Ops("budget", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)
+
+
+class GlueBytes(TorchDispatchMode):
+    """Bytes read and written by every tensor op outside the op table (views move nothing and are skipped)."""
+
+    def __init__(self, budget: Budget) -> None:
+        super().__init__()
+        self.budget = budget
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket not in (torch.ops.aten.empty, torch.ops.aten.empty_strided):
+            moved = nbytes(*args, *(kwargs or {}).values()) + nbytes(*(result if isinstance(result, (tuple, list))
+                                                                         else (result,)))
+            self.budget.bytes["glue: " + func.overloadpacket.__name__] += moved
+        return result
+
+
+def decode_budget(frames: int, height: int, width: int, fpp: int) -> dict:
+    meta = torch.device("meta")
+    config = WAN22_CONFIG
+    weights = {name: prepare(name, torch.empty(shape, device=meta)) for name, shape in expected_shapes(config).items()}
+    h, w = height // config.spatial_scale, width // config.spatial_scale
+    budget, state = Budget(), DecodeState(meta)
+    ops = budget.ops()
+    passes = [1] + [min(fpp, frames - 1 - start) for start in range(0, frames - 1, fpp)]
+    with GlueBytes(budget):
+        for index, count in enumerate(passes):
+            z = torch.empty((config.z_dim, count, h, w), device=meta)
+            NetworkPass(ops, weights, config, LocalRows(h), state, index == 0).run(z)
+    return {"flops": dict(budget.flops), "bytes": dict(budget.bytes), "winograd_flops": budget.winograd_flops}
+
+
+def summarize(counts: dict) -> dict:
+    flops, moved = counts["flops"], counts["bytes"]
+    total_flops = sum(flops.values())
+    direct_3x3x3 = sum(v for k, v in flops.items() if k.endswith("x3x3"))
+    upsample_direct = flops.get("upsample: 4 sub-pixel 2x2 convs", 0) * 9 / 4
+    hot = {k: v for k, v in moved.items() if not k.startswith("glue: ")}
+    glue = {k: v for k, v in moved.items() if k.startswith("glue: ")}
+    return {
+        "pflop": {"decoder as run (sub-pixel upsample)": total_flops / 1e15,
+                  "had the upsample convolved the 2x frame": (total_flops - flops.get(
+                      "upsample: 4 sub-pixel 2x2 convs", 0) + upsample_direct) / 1e15,
+                  "with Winograd F(2x2, 3x3) on every 3x3 conv": counts["winograd_flops"] / 1e15,
+                  "3x3 convs' share of the decoder as run": direct_3x3x3 / total_flops},
+        "gb": {"op table (each tensor once)": sum(hot.values()) / 1e9, "glue (copies, windows, padding)":
+               sum(glue.values()) / 1e9},
+        "h200_lower_bound_s": {
+            "direct": total_flops / GEMM_FLOPS + sum(moved.values()) / COPY_BYTES,
+            "winograd": counts["winograd_flops"] / GEMM_FLOPS + sum(moved.values()) / COPY_BYTES,
+            "winograd, no glue bytes": counts["winograd_flops"] / GEMM_FLOPS + sum(hot.values()) / COPY_BYTES,
+        },
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frames", type=int, default=49, help="latent frames T (video: 4T - 3)")
+    parser.add_argument("--height", type=int, default=704)
+    parser.add_argument("--width", type=int, default=1248)
+    parser.add_argument("--fpp", type=int, default=4, help="latent frames per pass")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench" / "results")
+    args = parser.parse_args(argv)
+    counts = decode_budget(args.frames, args.height, args.width, args.fpp)
+    summary = summarize(counts)
+    date = datetime.date.today().isoformat()
+    result = {"command": "python tools/budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": date, "config": "Wan2.2 (real widths)", "latent_frames": args.frames,
+              "video": [4 * args.frames - 3, args.height, args.width], "frames_per_pass": args.fpp,
+              "rates": {"gemm_tflops": GEMM_FLOPS / 1e12, "copy_tb_s": COPY_BYTES / 1e12},
+              "summary": summary,
+              "tflop_by_kind": {k: v / 1e12 for k, v in sorted(counts["flops"].items())},
+              "gb_by_kind": {k: v / 1e9 for k, v in sorted(counts["bytes"].items(), key=lambda kv: -kv[1])}}
+    print(json.dumps(result, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"budget-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
