@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
@@ -99,19 +100,21 @@ class GlueBytes(TorchDispatchMode):
         return result
 
 
-def decode_budget(frames: int, height: int, width: int, fpp: int) -> dict:
+def decode_budget(frames: int, height: int, width: int, fpp: int, config=WAN22_CONFIG) -> dict:
+    """FLOPs and bytes by kind of work for one decode of latents [1, z_dim, frames, height / s, width / s]."""
     meta = torch.device("meta")
-    config = WAN22_CONFIG
     weights = {name: prepare(name, torch.empty(shape, device=meta)) for name, shape in expected_shapes(config).items()}
     h, w = height // config.spatial_scale, width // config.spatial_scale
     budget, state = Budget(), DecodeState(meta)
     ops = budget.ops()
     passes = [1] + [min(fpp, frames - 1 - start) for start in range(0, frames - 1, fpp)]
-    with GlueBytes(budget):
+    with GlueBytes(budget), FlopCounterMode(display=False) as glue_flops:
         for index, count in enumerate(passes):
             z = torch.empty((config.z_dim, count, h, w), device=meta)
             NetworkPass(ops, weights, config, LocalRows(h), state, index == 0).run(z)
-    return {"flops": dict(budget.flops), "bytes": dict(budget.bytes), "winograd_flops": budget.winograd_flops}
+    budget.flops["glue: post_quant_conv (fp32 matmul)"] = glue_flops.get_total_flops()
+    return {"flops": dict(budget.flops), "bytes": dict(budget.bytes),
+            "winograd_flops": budget.winograd_flops + glue_flops.get_total_flops()}
 
 
 def summarize(counts: dict) -> dict:
