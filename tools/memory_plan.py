@@ -1,7 +1,7 @@
 """Peak working memory of the real Wan2.2 decoder by frames_per_pass, from the planner's replay on the meta device
 (no GPU needed; docs/design.md, "The decoder": memory planner).
 
-    python tools/memory_plan.py [--frames 49] [--height 704] [--width 1248] [--fpp 1 2 4 8]
+    python tools/memory_plan.py [--frames 49] [--height 704] [--width 1248] [--fpp 1 2 4 8] [--tile-rows 11 4 2]
 
 The replay counts what the decoder allocates beyond its weights, latents and the returned video, with the portable
 ops' scratch at bf16 (what a GPU decode computes in); it writes bench/results/memory-plan-<date>.json.
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--height", type=int, default=704)
     parser.add_argument("--width", type=int, default=1248)
     parser.add_argument("--fpp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tile-rows", type=int, nargs="+", default=[11, 4, 2],
+                        help="exact tiles of this many latent rows, at 4 frames per pass (decode and decode_iter)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench" / "results")
     args = parser.parse_args(argv)
     meta = torch.device("meta")
@@ -50,9 +52,17 @@ def main(argv=None) -> int:
         print(f"frames_per_pass {fpp}: working peak {peak / GIB:.2f} GiB; with the bf16 video "
               f"({video_bytes / GIB:.2f} GiB) and weights ({weight_bytes / GIB:.2f} GiB): "
               f"{(peak + video_bytes + weight_bytes) / GIB:.2f} GiB")
+    planner = MemoryPlanner(weights, WAN22_CONFIG, torch.device("cuda"), 4)
+    tiles = []
+    for tile_rows in args.tile_rows:
+        decode, stream = (planner.peak_bytes(shape, tile_rows, stream) / GIB for stream in (False, True))
+        tiles.append({"frames_per_pass": 4, "tile_rows": tile_rows, "decode_working_peak_gib": round(decode, 2),
+                      "decode_iter_working_peak_gib": round(stream, 2)})
+        print(f"tile_rows {tile_rows}: working peak {decode:.2f} GiB (decode_iter: {stream:.2f} GiB)")
     date = datetime.date.today().isoformat()
     result = {"command": "python tools/memory_plan.py " + " ".join(argv or sys.argv[1:]), "date": date,
               "latents": list(shape), "video_frames": video_shape(WAN22_CONFIG, shape)[2], "rows": rows,
+              "tiles": tiles,
               "note": "replay of the portable path's buffers and scratch at bf16 on the meta device; an estimate "
                       "until the GPU check measures it"}
     args.out.mkdir(parents=True, exist_ok=True)
