@@ -106,3 +106,12 @@ def winograd_problem(n, ti, hi, width, ci, co, kt, seed, residual=False):
     b = 0.1 * torch.randn(co, generator=g)
     res = torch.randn(n, ti - kt + 1, hi - 2, width, co, generator=g).to(bf16) if residual else None
     return x, w, b, res
+
+
+def winograd_out(n, ti, hi, width, ci, co, kt, strided=False):
+    """An empty bf16 output for winograd_problem's conv; `strided`: frames of a bigger buffer, as the decoder's causal
+    windows are."""
+    shape = (n, ti - kt + 1, hi - 2, width, co)
+    if strided:
+        return torch.zeros(n, shape[1] + 2, *shape[2:], dtype=torch.bfloat16)[:, 2:]
+    return torch.empty(shape, dtype=torch.bfloat16)

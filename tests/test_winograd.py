@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _vae_helpers import winograd_problem
+from _vae_helpers import winograd_out, winograd_problem
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
@@ -44,15 +44,10 @@ def test_bf16_f2_meets_the_allowance_against_the_direct_bf16_conv(shape, case):
     """The single op with its bf16 rounding points (U and V rounded once, fp32 GEMMs, one rounding on store) against
     the fp32 conv of the same bf16 operands; baseline: the direct conv in bf16 (the portable op). Its extra error
     must be real (the rounding points are there) and inside 3x the baseline's max and RMS."""
-    n, ti, hi, width, _, co, kt = shape
     x, w, b, res = winograd_problem(*shape, seed=2, residual=case == "residual")
-    out_shape = (n, ti - kt + 1, hi - 2, width, co)
-    if case == "strided out":  # frames of a bigger buffer, as the decoder's causal windows
-        out = torch.zeros(n, out_shape[1] + 2, *out_shape[2:], dtype=bf16)[:, 2:]
-    else:
-        out = torch.empty(out_shape, dtype=bf16)
+    out = winograd_out(*shape, strided=case == "strided out")
     conv3d_winograd(x, winograd_weights(w, 2), b, out, res, tile=2)
-    direct = torch.empty(out_shape, dtype=bf16)
+    direct = torch.empty(out.shape, dtype=bf16)
     TORCH_OPS.conv3d(x, w, b, direct, res)
     reference = reference_conv3d(x.float(), w.float(), b, None if res is None else res.float())
     report = compare_to_reference(f"F(2x2) {shape} {case}", out, reference, direct)
