@@ -54,7 +54,8 @@ tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torch
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
 zipp
 """.split())
-COMPILED_STEPS = ("compiled_self_check", "compiled_correctness", "compiled_memory", "compiled_profile", "conv_bench")
+COMPILED_STEPS = ("compiled_self_check", "compiled_correctness", "compiled_memory", "compiled_profile", "conv_bench",
+                  "compiled_winograd_self_check", "winograd_conv_bench")
 
 
 def _normalized(name: str) -> str:
@@ -136,12 +137,53 @@ def test_dry_run_on_a_bare_tree_builds_self_checks_and_measures_everything(machi
         timed = report[f"timing:T={t}"] | report[f"compiled_timing:T={t}"]
         assert set(timed) == {"release_bf16", "diffusers_bf16", "portable", "compiled"}
         assert all(len(entry["runs"]) == 3 and entry["median_seconds"] > 0 for entry in timed.values())
-    assert report[f"compiled_timing:T={max(sizes['timing_t'])}"]["compiled"]["allowance"]["ok"]
+    big = max(sizes["timing_t"])
+    assert report[f"compiled_timing:T={big}"]["compiled"]["allowance"]["ok"]
+    assert set(report[f"compiled_timing:T={big}"]["compiled"]["conv_algorithms"].values()) == {"direct"}
+    assert set(report[f"timing:T={big}"]["portable"]["conv_algorithms"].values()) == {"direct"}
     assert set(report["compiled_memory"]) == {str(f) for f in sizes["memory_fpp"]}
     assert len(report["compiled_profile"]["compiled"]["top20"]) > 5
     assert {row["op"] for row in report["conv_bench"]} == {"conv3d", "upsample2x_conv3x3"}
-    assert report["summary"]["compiled_ok"] is True
+    _check_winograd_steps(report, big)
+    _check_wan21_steps(report)
+    assert report["summary"]["compiled_ok"] is True and report["summary"]["winograd_self_check_ok"] is True
     print(f"\ndry-run rehearsal: {report['total_seconds']} s")
+
+
+def _check_winograd_steps(report: dict, big: int) -> None:
+    """The Winograd self-check, the per-layer direct vs Winograd table and the whole Winograd decode at T = big."""
+    check = report["compiled_winograd_self_check"]
+    assert check["ok"] and not any(case["fallbacks"] for case in check["cases"])
+    names = [case["text"] for case in check["cases"]]
+    assert any(name.startswith("conv3d 1024 -> 1024 k3x3x3") for name in names) and names[-1].startswith("decode")
+
+    bench = report["winograd_conv_bench"]
+    assert "winograd" in bench["winograd_table"] and "winograd" not in bench["direct_table"]
+    assert bench["layers"] and all(row["kernel"] == [3, 3, 3] for row in bench["layers"])
+    for row in bench["layers"]:
+        assert row["allowance"]["ok"] and row["direct_tflops"] > 0 and row["faster"] in ("direct", "winograd")
+        assert row["winograd_effective_tflops"] == pytest.approx(2.25 * row["winograd_actual_tflops"], rel=2e-3)
+        assert row["winograd_wins"] == (row["faster"] == "winograd")
+    [(gpu, layers)] = bench["suggested_measured_winograd_layers"].items()
+    assert gpu == "emulated (dry run)" and gpu in bench["suggested_entry"]
+    won = {tuple(row["layer"]) for row in bench["layers"] if row["winograd_wins"]}
+    assert sorted(map(tuple, layers)) == sorted(won)
+    assert report["summary"]["suggested_measured_winograd_layers"] == bench["suggested_measured_winograd_layers"]
+
+    (name, entry), = report[f"compiled_winograd_timing:T={big}"].items()
+    assert name == "compiled_winograd" and len(entry["runs"]) == 3 and entry["allowance"]["ok"]
+    assert set(entry["conv_algorithms"].values()) == {"winograd"}
+    assert report["summary"][f"T={big} winograd speedup vs direct"] > 0
+
+
+def _check_wan21_steps(report: dict) -> None:
+    """The Wan2.1 VAE at each size: the release bf16 decode here, the compiled one in a child, median of 3."""
+    for h, w in report["sizes"]["wan21_hw"]:
+        release = report[f"wan21_timing:{h}x{w}"]["release_bf16"]
+        compiled = report[f"compiled_wan21_timing:{h}x{w}"]["compiled"]
+        assert len(release["runs"]) == len(compiled["runs"]) == 3 and compiled["median_seconds"] > 0
+        assert set(compiled["conv_algorithms"].values()) == {"direct"}
+        assert report["summary"][f"wan21 {h}x{w} compiled speedup vs release"] > 0
 
 
 def test_a_crashing_compiled_decoder_loses_only_its_own_steps(machine, tmp_path):
@@ -156,6 +198,10 @@ def test_a_crashing_compiled_decoder_loses_only_its_own_steps(machine, tmp_path)
     for t in report["sizes"]["timing_t"]:
         assert report[f"timing:T={t}"]["portable"]["median_seconds"] > 0
         assert "error" in report[f"compiled_timing:T={t}"]
+    assert "error" in report[f"compiled_winograd_timing:T={max(report['sizes']['timing_t'])}"]
+    for h, w in report["sizes"]["wan21_hw"]:
+        assert report[f"wan21_timing:{h}x{w}"]["release_bf16"]["median_seconds"] > 0
+        assert "error" in report[f"compiled_wan21_timing:{h}x{w}"]
     assert report["memory"] and report["profile"] and report["summary"]["compiled_ok"] is False
 
 

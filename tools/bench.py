@@ -1,10 +1,12 @@
-"""Benchmark and audit of the fast Wan2.2 VAE decoder against the release bf16 decode, in one run.
+"""Benchmark and audit of the fast Wan VAE decoder (Wan2.2 and Wan2.1 layouts) against the release bf16 decode.
 
     python -m tools.bench --workload cpu-narrow --threads 1            # CPU: narrow widths, small frames
+    python -m tools.bench --workload cpu-wan21-narrow --threads 1      # CPU: the Wan2.1 layout, narrow widths
     python tools/bench.py --workload gpu-real --frames 2 31 49 121     # GPU: the real decoder at 704x1248
+    python -m tools.bench --conv-algorithms direct winograd --conv-layers   # direct vs Winograd F(2x2, 3x3)
 
 For each workload and latent frame count T it decodes the same seeded latents with
-- the fast decoder (`WanVAEDecoder`, each requested backend and rank count),
+- the fast decoder (`WanVAEDecoder`, each requested backend, conv algorithm and rank count),
 - the release baseline: diffusers' `AutoencoderKLWan.to(bf16).decode(z.bf16())`, or, where diffusers is not installed
   (the GPU machine has only torch), `reference.decode(z, sd, torch.bfloat16)`, which is bit-identical to it,
 - the fp32 reference (`reference.decode`), the oracle of the audit,
@@ -12,6 +14,11 @@ and records the median time of N runs after a warm-up (CUDA events on GPU), peak
 GPU; RSS on CPU, sampled during the decode), and the allowance (docs/design.md, "Definitions"): d = video - fp32
 reference, all finite and in [-1, 1], max|d| and RMS(d) within 3x the release decode's, and PSNR. Weights are seeded random weights of the
 workload's architecture (time and memory do not depend on their values). Writes JSON and a PNG plot.
+
+`--conv-layers` also times each distinct (kt, 3, 3) conv of the workload's decoder on a small input, by the backend's
+direct conv3d and by its Winograd table's (`backends.select_ops(backend, device, "direct" | "winograd")`): TFLOP/s
+effective (the direct conv's FLOPs / time) and actual (the Winograd GEMMs' FLOPs / time), and which is faster
+(JSON: the workload's "conv_layers"). `conv_layer_inputs` and `conv_speeds` are shared with tools/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
+from tools.winograd_error import conv_layers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
@@ -63,6 +71,11 @@ WORKLOADS = {
                  WanVAEConfig(16, 32, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (32, 48), (2,), 32),
         Workload("cpu-stream",  # a long clip of real-size frames, narrow widths: decode versus decode_iter memory
                  WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (5, 9), 8),
+        Workload("cpu-wan21-narrow",  # the Wan2.1 layout at cpu-narrow's widths and video size (8x: twice the latents)
+                 WanVAEConfig(16, 16, (1, 2, 4, 4), 2, (True, True, False), 3, 1, residual=False), (12, 20), (2, 3, 5),
+                 16),
+        Workload("cpu-wan21-tiny",
+                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 3, 1, residual=False), (6, 8), (1, 2, 5), 8),
         Workload("gpu-real",
                  WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
     ]
@@ -83,9 +96,9 @@ def diffusers_vae(workload: Workload, sd: dict[str, torch.Tensor]):
     c = workload.config
     vae = AutoencoderKLWan(base_dim=workload.encoder_base_dim, decoder_base_dim=c.decoder_base_dim, z_dim=c.z_dim,
                            dim_mult=list(c.dim_mult), num_res_blocks=c.num_res_blocks,
-                           temperal_downsample=list(reversed(c.temperal_upsample)), is_residual=True,
-                           patch_size=c.patch_size, in_channels=c.out_channels, out_channels=c.out_channels,
-                           latents_mean=[0.0] * c.z_dim, latents_std=[1.0] * c.z_dim)
+                           temperal_downsample=list(reversed(c.temperal_upsample)), is_residual=c.residual,
+                           patch_size=c.patch_size if c.patch_size > 1 else None, in_channels=c.out_channels,
+                           out_channels=c.out_channels, latents_mean=[0.0] * c.z_dim, latents_std=[1.0] * c.z_dim)
     missing, unexpected = vae.load_state_dict(sd, strict=False)
     if unexpected or any(k.startswith(("decoder.", "post_quant_conv.")) for k in missing):
         raise RuntimeError(f"diffusers module does not match the workload: missing {missing}, unexpected {unexpected}")
@@ -202,7 +215,8 @@ def _rank_worker(rank: int, world: int, tmp: str, spec: dict) -> None:
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         sd, z = torch.load(f"{tmp}/inputs.pt")
-        decoder = WanVAEDecoder(sd, device=device, frames_per_pass=spec["frames_per_pass"], backend=spec["backend"])
+        decoder = WanVAEDecoder(sd, device=device, frames_per_pass=spec["frames_per_pass"], backend=spec["backend"],
+                                conv_algorithm=spec["conv_algorithm"])
         z = z.to(device)
 
         def run():
@@ -231,8 +245,6 @@ def run_ranks(world: int, sd, z, spec: dict) -> tuple[torch.Tensor, dict]:
 
 
 def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
-
     frames = tuple(sorted(args.frames)) if args.frames else workload.frames
     sd = random_weights(workload.config, seed=0)
     sd_on_device = {k: v.to(device) for k, v in sd.items()}
@@ -250,8 +262,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
         def baseline(z):
             return reference.decode(z.to(torch.bfloat16), sd_on_device, torch.bfloat16)
 
-    decoders = {backend: WanVAEDecoder(sd_on_device, device=device, frames_per_pass=args.frames_per_pass, local=True,
-                                       backend=backend) for backend in args.backends}
+    decoders = fast_decoders(sd_on_device, args, device)
     rows = []
     for i, t in enumerate(frames):
         # Warm-up runs (oneDNN / cuDNN set-up, allocator) only before the first, smallest frame count.
@@ -269,7 +280,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
             ref32, stats = measure(lambda: reference.decode(z, sd_on_device, torch.float32), device, 1, 0)
             rows.append({"line": "reference fp32", "backend": "reference.decode fp32", "ranks": 1,
                          "latent_frames": t, "video_frames": video_frames, **stats})
-        for backend, decoder in decoders.items():
+        for (backend, algorithm), decoder in decoders.items():
             for world in [*args.ranks, *(-n for n in args.tile_rows or [])]:  # negative: tiles of -world rows
                 tiles = -world if world < 0 else None
                 what = f"tile_rows={tiles}" if tiles else f"ranks={world}"
@@ -282,11 +293,13 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
                     video, stats = measure(lambda: decoder.decode(z), device, args.repeats, warmup)
                 else:
                     spec = {"threads": torch.get_num_threads(), "device": str(device), "backend": backend,
-                            "frames_per_pass": args.frames_per_pass, "repeats": args.repeats, "warmup": max(warmup, 1)}
+                            "conv_algorithm": algorithm, "frames_per_pass": args.frames_per_pass,
+                            "repeats": args.repeats, "warmup": max(warmup, 1)}
                     video, stats = run_ranks(world, sd, z, spec)
                 suffix = f", tiles of {tiles} rows" if tiles else (f" x{world} ranks" if world > 1 else "")
                 row = {"line": f"WanVAEDecoder {decoder.backend}{suffix}", "backend": decoder.backend,
-                       "ranks": 1 if tiles else world, "tile_rows": tiles, "frames_per_pass": args.frames_per_pass,
+                       "conv_algorithm": algorithm, "ranks": 1 if tiles else world, "tile_rows": tiles,
+                       "frames_per_pass": args.frames_per_pass,
                        "latent_frames": t, "video_frames": video_frames, **stats}
                 if release is not None:
                     row["speedup_vs_release"] = rows[_index(rows, t)]["median_s"] / stats["median_s"]
@@ -305,13 +318,97 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
 
                 _, stats = measure(stream, device, args.repeats, warmup)
                 rows.append({"line": f"WanVAEDecoder {decoder.backend}, decode_iter (chunks not kept)",
-                             "backend": decoder.backend, "ranks": 1, "frames_per_pass": args.frames_per_pass,
+                             "backend": decoder.backend, "conv_algorithm": algorithm, "ranks": 1,
+                             "frames_per_pass": args.frames_per_pass,
                              "latent_frames": t, "video_frames": video_frames, **stats})
                 log(f"    {_time_and_memory(stats)}")
         del release, ref32
-    return {"workload": workload.name, "config": dataclasses.asdict(workload.config),
-            "latent_hw": list(workload.latent_hw), "video_hw": [16 * s for s in workload.latent_hw],
-            "baseline": baseline_name, "results": rows}
+    report = {"workload": workload.name, "config": dataclasses.asdict(workload.config),
+              "latent_hw": list(workload.latent_hw),
+              "video_hw": [workload.config.spatial_scale * s for s in workload.latent_hw],
+              "baseline": baseline_name, "results": rows}
+    if args.conv_layers:
+        report["conv_layers"] = conv_layer_rows(workload, args, device, log)
+    return report
+
+
+def fast_decoders(sd_on_device: dict, args, device: torch.device) -> dict:
+    """(backend, conv_algorithm) -> a single-rank WanVAEDecoder, one per distinct op table (on CPU "auto" is "direct",
+    so asking for both times it once)."""
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+
+    decoders, tables = {}, set()
+    for backend in args.backends:
+        for algorithm in args.conv_algorithms:
+            decoder = WanVAEDecoder(sd_on_device, device=device, frames_per_pass=args.frames_per_pass, local=True,
+                                    backend=backend, conv_algorithm=algorithm)
+            if decoder.backend not in tables:
+                tables.add(decoder.backend)
+                decoders[backend, algorithm] = decoder
+    return decoders
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Direct vs Winograd, layer by layer (shared with tools/gpu_check.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def conv_layer_inputs(layer: tuple[int, int, int], frames: int, rows: int, cols: int, device: torch.device,
+                      seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Operands of one (kt, 3, 3) conv (Co, Ci, kt) with `frames` x `rows` x `cols` outputs, as the decoder passes
+    them: x bf16 [1, frames + kt - 1, rows + 2, cols, Ci] (history frames and halo rows in front), w bf16
+    [Co, kt, 3, 3, Ci] (randn / sqrt(fan-in)), b fp32 [Co]."""
+    co, ci, kt = layer
+    g = torch.Generator(device).manual_seed(seed)  # drawn on the device: a GPU's real-size inputs in milliseconds
+    x = torch.randn(1, frames + kt - 1, rows + 2, cols, ci, generator=g, device=device).to(torch.bfloat16)
+    w = (torch.randn(co, kt, 3, 3, ci, generator=g, device=device) / math.sqrt(9 * kt * ci)).to(torch.bfloat16)
+    b = 0.1 * torch.randn(co, generator=g, device=device)
+    return x, w, b
+
+
+def conv_speeds(direct, winograd, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, timer) -> dict:
+    """One (kt, 3, 3) conv by `direct` and by `winograd` (both `ops.conv3d`-shaped), timed by `timer(fn) -> seconds`
+    (which warms up first: the Winograd table transforms and caches the weights on its first call). Effective
+    TFLOP/s count the direct conv's FLOPs, actual ones the Winograd GEMMs' (16 products per 2x2 output tile, the
+    transforms not counted): effective / actual = 2.25 where rows and cols are even."""
+    co, kt, _, _, ci = w.shape
+    _, ti, hi, cols, _ = x.shape
+    frames, rows = ti - kt + 1, hi - 2
+    out = torch.empty(1, frames, rows, cols, co, device=x.device, dtype=torch.bfloat16)
+    direct_flops = 2 * frames * rows * cols * co * ci * kt * 9
+    winograd_flops = 2 * frames * math.ceil(rows / 2) * math.ceil(cols / 2) * 16 * co * ci * kt
+    direct_s = timer(lambda: direct(x, w, b, out))
+    winograd_s = timer(lambda: winograd(x, w, b, out))
+    figures = {"direct_gflop": direct_flops / 1e9, "winograd_gflop": winograd_flops / 1e9,
+               "direct_ms": direct_s * 1e3, "winograd_ms": winograd_s * 1e3,
+               "direct_tflops": direct_flops / direct_s / 1e12,
+               "winograd_effective_tflops": direct_flops / winograd_s / 1e12,
+               "winograd_actual_tflops": winograd_flops / winograd_s / 1e12, "winograd_speedup": direct_s / winograd_s}
+    return {"layer": [co, ci, kt], "kernel": [kt, 3, 3], "frames": frames, "rows": rows, "cols": cols,
+            **{k: float(f"{v:.4g}") for k, v in figures.items()},  # 4 significant digits: tiny CPU layers too
+            "faster": "winograd" if winograd_s < direct_s else "direct"}
+
+
+def conv_layer_rows(workload: Workload, args, device: torch.device, log) -> list[dict]:
+    """Each distinct (kt, 3, 3) conv of the workload's decoder, by each backend's direct and Winograd conv3d."""
+    from fastvideo_pan2_ext.vae_kernel.backends import select_ops  # noqa: PLC0415
+
+    frames, rows, cols = args.conv_layer_size
+
+    def timer(fn):
+        return measure(fn, device, args.repeats, 1)[1]["median_s"]
+
+    out = []
+    for backend in args.backends:
+        direct, winograd = select_ops(backend, device, "direct"), select_ops(backend, device, "winograd")
+        for layer, names in conv_layers(workload.config).items():
+            x, w, b = conv_layer_inputs(layer, frames, rows, cols, device)
+            row = {"direct_table": direct.name, "winograd_table": winograd.name, "names": names,
+                   **conv_speeds(direct.conv3d, winograd.conv3d, x, w, b, timer)}
+            log(f"[{workload.name}] conv {layer[1]} -> {layer[0]} k{layer[2]}x3x3 ({direct.name}): direct "
+                f"{row['direct_ms']:.3f} ms, Winograd {row['winograd_ms']:.3f} ms ({row['winograd_speedup']:.2f}x)")
+            out.append(row)
+    return out
 
 
 def _index(rows: list[dict], t: int) -> int:
@@ -361,7 +458,7 @@ def plot(report: dict, path: Path) -> None:
             ax_t.set_yscale("log")
         for ax in (ax_t, ax_m):
             ax.grid(alpha=0.3)
-    fig.suptitle(f"Wan2.2 VAE decode on {report['device_name']} ({report['date']}, {report['threads']} threads)")
+    fig.suptitle(f"Wan VAE decode on {report['device_name']} ({report['date']}, {report['threads']} threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -384,6 +481,12 @@ def parse_args(argv=None):
     p.add_argument("--frames", type=int, nargs="+", help="latent frame counts T (default: the workload's)")
     p.add_argument("--audit-frames", type=int, nargs="+", help="T values to audit against fp32 (default: all)")
     p.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "cuda", "torch"])
+    p.add_argument("--conv-algorithms", nargs="+", default=["auto"], choices=["auto", "direct", "winograd"],
+                   help="the fast decoder's 3x3 convs: each listed algorithm is a decode of its own (audited too)")
+    p.add_argument("--conv-layers", action="store_true",
+                   help="also time each distinct (kt, 3, 3) conv of the decoder, direct vs Winograd")
+    p.add_argument("--conv-layer-size", type=int, nargs=3, default=[2, 16, 24], metavar=("FRAMES", "ROWS", "COLS"),
+                   help="the output size of each --conv-layers conv (default 2 16 24)")
     p.add_argument("--ranks", type=int, nargs="+", default=[1], help="rank counts for the fast decoder")
     p.add_argument("--tile-rows", type=int, nargs="+", help="also time tiled decodes with these latent rows per tile")
     p.add_argument("--stream", action="store_true", help="also measure decode_iter with chunks dropped as they come")
@@ -398,7 +501,7 @@ def parse_args(argv=None):
     p.add_argument("--no-diffusers", action="store_true", help="use reference.decode bf16 as the baseline")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     args = p.parse_args(argv)
-    for name in ("frames", "audit_frames", "ranks", "tile_rows"):
+    for name in ("frames", "audit_frames", "ranks", "tile_rows", "conv_layer_size"):
         if any(v < 1 for v in getattr(args, name) or []):
             p.error(f"--{name.replace('_', '-')} values must be >= 1; got {getattr(args, name)}")
     if args.frames_per_pass < 1 or args.repeats < 1 or args.baseline_repeats < 1:

@@ -3,24 +3,37 @@
 Everything a 15-minute GPU loan must answer, in one run that cannot lose what it measured:
 - build: cold then warm, each in a fresh process with a time limit; the kernels' registers, spills and shared memory
   (ptxas -v, from the build log);
-- the compiled op table's self-check at every production op shape (child process, every case reported);
+- the compiled op table's self-check at every production op shape (child process, every case reported; run as the
+  loader runs it, so its pass is remembered and the later steps do not check the table again);
 - correctness against the fp32 reference (T = 2, 8, and 49 from the timing runs): the release bf16 decode, the
   portable decoder, the compiled decoder, under the allowance;
 - timing at T = 49 and 31 (704x1248): the release decode with bf16 weights resident on the GPU, diffusers' own
   `AutoencoderKLWan.decode` in bf16 under autocast (when the bundle brings diffusers), the portable and the compiled
-  decoder; median of 3 after a warm-up of several 4-frame passes; peak memory;
+  decoder; median of 3 after a warm-up of several 4-frame passes; peak memory; for each fast decoder, which
+  algorithm ran each (kt, 3, 3) conv ("conv_algorithms");
+- Winograd F(2x2, 3x3): the compiled Winograd table's self-check (every case); each dominant layer shape by the
+  direct and the Winograd kernels (TFLOP/s effective and actual, the allowance, which is faster, and the suggested
+  `backends.MEASURED_WINOGRAD_LAYERS` entry for this GPU); the compiled decoder's whole decode at T = 49 with every
+  3x3 conv by Winograd (median of 3, allowance, peak memory), beside the direct one's;
 - peak allocated / reserved at frames_per_pass 1, 2, 4 (and the planner's replay estimate beside it);
 - a torch.profiler kernel table (top 20) of one 4-frame pass, and host vs GPU time per pass;
-- TFLOP/s of our conv against cuDNN's channels-last conv3d on the dominant layer shapes.
+- TFLOP/s of our conv against cuDNN's channels-last conv3d on the dominant layer shapes;
+- last (the first to go under the deadline): the Wan2.1 VAE at 480x832 and 720x1280, 81 frames (T = 21), the
+  release decode (`reference.decode` in bf16, weights resident in bf16) against the compiled decoder, median of 3.
+
+Order: build, self-check, correctness, T = 49 timing, the Winograd steps, memory, profile, conv bench, T = 31,
+Wan2.1: the most valuable first.
 
 Failure isolation: the release and portable decodes run here first; every compiled measurement runs in a child
 process of its own, so a CUDA fault is that step's error (with the message) and the run goes on. `--deadline`
 skips what no longer fits and says so; every subprocess has a time limit; the JSON is replaced atomically after every
 measurement. Exit code 0 only if the compiled decoder built, passed the self-check and met the allowance at every size.
 
-`--dry-run` runs all of it on CPU at tiny sizes: the build really compiles (sm_90a, compile-only), and the compiled
-decoder is the emulated extension (`vae_kernel/emulated_extension.py`) loaded through the same loader and child-process
-self-check as a built one; `--stand-in emulated-abort` makes every compiled child die, to prove the isolation.
+`--dry-run` runs all of it on CPU at tiny sizes (the Winograd and Wan2.1 steps included): the build really compiles
+(sm_90a, compile-only), and the compiled decoder is the emulated extension (`vae_kernel/emulated_extension.py`, the
+Winograd kernels' API too) loaded through the same loader and child-process self-check as a built one;
+`--stand-in emulated-abort` makes every compiled child die, to prove the isolation. The dry run is single-threaded
+(`single_threaded_cpu`).
 """
 
 from __future__ import annotations
@@ -44,18 +57,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel import build, extension, loader, selfcheck  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, WanVAEConfig, video_frames  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.kernels import make_ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS, Ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32  # noqa: E402
+from tools.bench import conv_layer_inputs, conv_speeds  # noqa: E402
+from tools.winograd_error import conv_layers  # noqa: E402
 
 TINY = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                     temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
-# (latent rows, cols), correctness T, timing T (the largest also audited), memory T, frames_per_pass to measure
-FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), memory_t=9, memory_fpp=(1, 2, 4))
-DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), memory_t=5, memory_fpp=(1, 2, 4))
+TINY_WAN21 = WanVAEConfig(z_dim=16, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
+                          temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
+# layout -> (the real decoder, the dry run's narrow one)
+CONFIGS = {"wan22": (WAN22_CONFIG, TINY), "wan21": (WAN21_CONFIG, TINY_WAN21)}
+# (latent rows, cols), correctness T, timing T (the largest also audited), memory T, frames_per_pass to measure;
+# the Wan2.1 VAE's video sizes (rows, cols) and latent frames (T = 21: 81 frames), timed last.
+FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), memory_t=9, memory_fpp=(1, 2, 4),
+            wan21_hw=((480, 832), (720, 1280)), wan21_t=21)
+DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), memory_t=5, memory_fpp=(1, 2, 4),
+           wan21_hw=((16, 24), (24, 32)), wan21_t=3)
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
                (512, 256, (3, 3, 3), 8), (256, 256, (3, 3, 3), 8)]
@@ -96,13 +120,18 @@ class Clock:
 
 
 class Context:
-    """What every step needs: where it runs, the model, the sizes, the scratch folder the children read."""
+    """What every step needs: where it runs, the model (the Wan2.2 VAE; `layout="wan21"`: the Wan2.1 VAE decoding
+    video of `video_hw`), the sizes, the scratch folder the children read."""
 
-    def __init__(self, dry_run: bool, stand_in: str, scratch: Path, frames_per_pass: int) -> None:
+    def __init__(self, dry_run: bool, stand_in: str, scratch: Path, frames_per_pass: int, layout: str = "wan22",
+                 video_hw: tuple[int, int] | None = None) -> None:
         self.dry_run = dry_run
         self.device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
-        self.config = TINY if dry_run else WAN22_CONFIG
+        self.layout = layout
+        self.config = CONFIGS[layout][dry_run]
         self.sizes = DRY if dry_run else FULL
+        self.latent_hw = (tuple(s // self.config.spatial_scale for s in video_hw) if video_hw
+                          else tuple(self.sizes["latent_hw"]))
         self.arch = stand_in if dry_run else extension.arch_for_device(self.device)
         self.scratch = scratch
         self.frames_per_pass = frames_per_pass
@@ -118,7 +147,7 @@ class Context:
         return self._weights[dtype]
 
     def latents(self, t: int, seed: int = 1) -> torch.Tensor:
-        h, w = self.sizes["latent_hw"]
+        h, w = self.latent_hw
         g = torch.Generator().manual_seed(seed + t)
         return torch.randn(1, self.config.z_dim, t, h, w, generator=g).to(self.device)
 
@@ -163,14 +192,30 @@ def decoders(ctx: Context, names, frames_per_pass: int | None = None) -> dict:
             made[name] = lambda z, w=weights: reference.decode(z, w, torch.bfloat16)
         elif name == "diffusers_bf16":
             made[name] = diffusers_decoder(ctx)
-        elif name == "portable":
-            made[name] = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend="torch",
-                                       frames_per_pass=fpp).decode
-        elif name == "compiled":
-            table = loader.load_ops(ctx.device, arch=ctx.arch)  # built (cached) or emulated; verified in a child
-            made[name] = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend=table,
+        else:
+            made[name] = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend=op_table(ctx, name),
                                        frames_per_pass=fpp).decode
     return made
+
+
+def op_table(ctx: Context, name: str) -> Ops | None:
+    """The op table of the fast decoder `name` ("portable"; "compiled": built (cached) or emulated, verified in a
+    child; "compiled_winograd": the same with its (kt, 3, 3) convs by the Winograd kernels, verified with them);
+    None for the release and diffusers decodes. Explicit tables: "auto"'s per-GPU choice never moves a measurement."""
+    if name == "portable":
+        return TORCH_OPS
+    if name == "compiled":
+        return loader.load_ops(ctx.device, arch=ctx.arch)
+    if name == "compiled_winograd":
+        return loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    return None
+
+
+def layer_algorithms(table: Ops, config: WanVAEConfig) -> dict[str, str]:
+    """"CoxCixkt" -> "winograd" or "direct": how `table` runs each distinct (kt, 3, 3) conv of `config`'s decoder."""
+    uses_winograd = getattr(table.conv3d, "uses_winograd", lambda w: False)  # a winograd.WinogradConv3d has it
+    return {f"{co}x{ci}x{kt}": "winograd" if uses_winograd(torch.empty(co, kt, 3, 3, ci, device="meta")) else "direct"
+            for co, ci, kt in conv_layers(config)}
 
 
 def diffusers_decoder(ctx: Context):
@@ -222,6 +267,8 @@ def timing(ctx: Context, names, t: int) -> dict:
                 video = run(ctx.latents(t))
             runs.append(record)
         entry = {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs}
+        if (table := op_table(ctx, name)) is not None:
+            entry["conv_algorithms"] = layer_algorithms(table, ctx.config)
         if audited and oracle_path(ctx, t).exists():
             ref32, release = load_oracle(ctx, t)
             entry["allowance"] = audit(name, video, ref32, release)
@@ -274,10 +321,19 @@ def profile(ctx: Context, names) -> dict:
     return out
 
 
+def dominant_convs(ctx: Context) -> list[tuple[str, int, int, tuple[int, int, int], int]]:
+    """(op, Ci, Co, kernel, latent-relative scale) of BENCH_CONVS and BENCH_UPSAMPLES; the dry run's at tiny widths."""
+    cases = [("conv3d", ci, co, k, s) for ci, co, k, s in BENCH_CONVS]
+    cases += [("upsample2x_conv3x3", c, c, (1, 3, 3), s) for c, s in BENCH_UPSAMPLES]
+    if ctx.dry_run:  # the same code at tiny widths
+        cases = [(op, max(8, ci // 64), max(8, co // 64), k, s) for op, ci, co, k, s in cases]
+    return cases
+
+
 def conv_bench(ctx: Context) -> list[dict]:
     """TFLOP/s of the compiled conv vs torch's (cuDNN) channels-last conv3d on the dominant layer shapes."""
     table = loader.load_ops(ctx.device, arch=ctx.arch)
-    h, w = ctx.sizes["latent_hw"]
+    h, w = ctx.latent_hw
     frames = 4
     g = torch.Generator(ctx.device).manual_seed(3)
     rows = []
@@ -285,11 +341,7 @@ def conv_bench(ctx: Context) -> list[dict]:
     def rand(*shape):
         return torch.randn(*shape, generator=g, device=ctx.device).to(torch.bfloat16)
 
-    cases = [("conv3d", ci, co, k, s) for ci, co, k, s in BENCH_CONVS]
-    cases += [("upsample2x_conv3x3", c, c, (1, 3, 3), s) for c, s in BENCH_UPSAMPLES]
-    if ctx.dry_run:  # the same code at tiny widths
-        cases = [(op, max(8, ci // 64), max(8, co // 64), k, s) for op, ci, co, k, s in cases]
-    for op, ci, co, (kt, kh, kw), s in cases:
+    for op, ci, co, (kt, kh, kw), s in dominant_convs(ctx):
         rows_, cols = h * s, w * s
         if op == "conv3d":
             x = rand(1, frames + kt - 1, rows_ + kh - 1, cols, ci)
@@ -321,6 +373,42 @@ def conv_bench(ctx: Context) -> list[dict]:
     return rows
 
 
+def winograd_conv_bench(ctx: Context) -> dict:
+    """Direct vs Winograd F(2x2, 3x3) compiled convs at the dominant (kt, 3, 3) layer shapes (4 frames at their real
+    size): time, TFLOP/s effective and actual (`bench.conv_speeds`), and the Winograd output's allowance against the
+    fp32 conv. The layers where Winograd is faster and within the allowance are this GPU's suggested
+    `backends.MEASURED_WINOGRAD_LAYERS` entry (what conv_algorithm "auto" then runs by Winograd)."""
+    direct = loader.load_ops(ctx.device, arch=ctx.arch)
+    winograd = loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    h, w = ctx.latent_hw
+    rows = []
+    for op, ci, co, (kt, kh, kw), s in dominant_convs(ctx):
+        if op != "conv3d" or (kh, kw) != (3, 3):
+            continue
+        x, weight, b = conv_layer_inputs((co, ci, kt), 4, h * s, w * s, ctx.device)
+        row = conv_speeds(direct.conv3d, winograd.conv3d, x, weight, b, lambda fn: time_fn(ctx, fn))
+        row["allowance"] = winograd_conv_allowance(winograd, x, weight, b)
+        row["winograd_wins"] = row["faster"] == "winograd" and row["allowance"]["ok"]
+        rows.append(row)
+    won = sorted({tuple(row["layer"]) for row in rows if row["winograd_wins"]})
+    gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else f"{ctx.arch} (dry run)"
+    return {"direct_table": direct.name, "winograd_table": winograd.name, "layers": rows,
+            "suggested_measured_winograd_layers": {gpu: [list(layer) for layer in won]},
+            "suggested_entry": f"{gpu!r}: frozenset({won!r}),"}
+
+
+def winograd_conv_allowance(table: Ops, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict:
+    """The allowance of `table`'s conv3d output against the fp32 conv of the same bf16 operands (baseline: that conv
+    rounded to bf16 once, the self-check's rule for one op)."""
+    n, ti, hi, cols, _ = x.shape
+    co, kt = w.shape[:2]
+    out = torch.empty(n, ti - kt + 1, hi - 2, cols, co, device=x.device, dtype=torch.bfloat16)
+    table.conv3d(x, w, b, out)
+    with exact_fp32():
+        ref = selfcheck.reference_conv3d(x.float(), w.float(), b)
+    return compare_to_reference("winograd conv3d", out, ref, ref.to(torch.bfloat16)).figures()
+
+
 def time_fn(ctx: Context, fn, repeats: int = 5) -> float:
     """Median seconds of `fn` (CUDA events on a GPU)."""
     fn()
@@ -340,17 +428,27 @@ def time_fn(ctx: Context, fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def compiled_self_check(ctx: Context) -> dict:
-    table = make_ops(extension.open_extension(ctx.arch))
-    results = selfcheck.self_check(table, ctx.device, keep_going=True)
-    return {"ok": all(r.ok for r in results), "cases": [r.to_json() | {"text": str(r)} for r in results]}
+def compiled_self_check(ctx: Context, winograd: bool = False) -> dict:
+    """The compiled op table's self-check (its (kt, 3, 3) convs by the Winograd kernels if `winograd`), run as the
+    loader runs it (`verification.verify_build_isolated`: in a process of its own, a pass remembered in the build
+    cache, so the steps after this one load the table without checking it again); after a failure, every case
+    again, past the first failing one, for the whole diagnosis."""
+    ext = extension.open_extension(ctx.arch)
+    try:
+        results = verification.verify_build_isolated(ext, ctx.device, winograd=winograd)  # returns only a pass
+        verdict = {"ok": True}
+    except extension.CompiledUnavailable as exc:
+        results = selfcheck.self_check(make_ops(ext, winograd_convs=winograd), ctx.device, keep_going=True)
+        verdict = {"ok": False, "verification": str(exc)[-4000:]}
+    return verdict | {"cases": [r.to_json() | {"text": str(r)} for r in results]}
 
 
 # --------------------------------------------------------------------------------------------------- the oracle
 
 
 def oracle_path(ctx: Context, t: int) -> Path:
-    return ctx.scratch / f"oracle_T{t}.pt"
+    h, w = ctx.latent_hw
+    return ctx.scratch / f"oracle_{ctx.layout}_{h}x{w}_T{t}.pt"
 
 
 def make_oracle(ctx: Context, t: int) -> None:
@@ -371,8 +469,10 @@ def load_oracle(ctx: Context, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 CHILD_STEPS = {
     "self_check": lambda ctx, _: compiled_self_check(ctx),
+    "winograd_self_check": lambda ctx, _: compiled_self_check(ctx, winograd=True),
     "correctness": lambda ctx, _: correctness(ctx, ["compiled"]),
-    "timing": lambda ctx, a: timing(ctx, ["compiled"], a["t"]),
+    "timing": lambda ctx, a: timing(ctx, a.get("names", ["compiled"]), a["t"]),
+    "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
     "memory": lambda ctx, _: memory(ctx, ["compiled"]),
     "profile": lambda ctx, _: profile(ctx, ["compiled"]),
     "conv_bench": lambda ctx, _: conv_bench(ctx),
@@ -399,8 +499,10 @@ def run_child(args, step: str, clock: Clock, **payload) -> dict:
 
 
 def child_main(args) -> int:
-    ctx = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass)
-    result = CHILD_STEPS[args.child](ctx, json.loads(args.child_args))
+    payload = json.loads(args.child_args)  # layout / video_hw: the Wan2.1 steps' model and size
+    ctx = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass, payload.get("layout", "wan22"),
+                  payload.get("video_hw"))
+    result = CHILD_STEPS[args.child](ctx, payload)
     print(TAG + json.dumps(result, default=str), flush=True)
     return 0
 
@@ -467,9 +569,7 @@ def environment(ctx: Context) -> dict:
         props = torch.cuda.get_device_properties(ctx.device)
         info.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(ctx.device)),
                     sms=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1))
-    from fastvideo_pan2_ext.vae_kernel.verification import driver_version  # noqa: PLC0415
-
-    info["driver"] = driver_version()
+    info["driver"] = verification.driver_version()
     home = build.cuda_home()
     info["nvcc"] = build.tool_version([os.path.join(home, "bin", "nvcc"), "--version"]).splitlines()[-1] \
         if home else None
@@ -532,6 +632,11 @@ def run(args) -> int:
     step(f"oracle:T={big}", 60, make_oracle, ctx, big)
     step(f"timing:T={big}", 60, timing, ctx, parent_names, big)
     step(f"compiled_timing:T={big}", 30, run_child, args, "timing", clock, t=big)
+    # Winograd F(2x2, 3x3): its self-check, each dominant layer direct vs Winograd, the whole decode at the largest T.
+    step("compiled_winograd_self_check", 20, run_child, args, "winograd_self_check", clock)
+    step("winograd_conv_bench", 20, run_child, args, "winograd_conv_bench", clock)
+    step(f"compiled_winograd_timing:T={big}", 30, run_child, args, "timing", clock, t=big,
+         names=["compiled_winograd"])
     step("memory", 20, memory, ctx, ["portable"])
     step("compiled_memory", 20, run_child, args, "memory", clock)
     step("profile", 20, profile, ctx, ["portable"])
@@ -540,6 +645,12 @@ def run(args) -> int:
     for t in rest:
         step(f"timing:T={t}", 40, timing, ctx, parent_names, t)
         step(f"compiled_timing:T={t}", 30, run_child, args, "timing", clock, t=t)
+    # Lowest priority: the Wan2.1 VAE, release bf16 here and compiled in a child, per video size.
+    for h, w in ctx.sizes["wan21_hw"]:
+        wan21 = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass, "wan21", (h, w))
+        step(f"wan21_timing:{h}x{w}", 90, timing, wan21, ["release_bf16"], ctx.sizes["wan21_t"])
+        step(f"compiled_wan21_timing:{h}x{w}", 30, run_child, args, "timing", clock, t=ctx.sizes["wan21_t"],
+             layout="wan21", video_hw=[h, w])
 
     report.data["total_seconds"] = round(time.monotonic() - started, 1)
     report.data["summary"] = summary(report.data, ctx)
@@ -551,7 +662,8 @@ def run(args) -> int:
 
 
 def summary(data: dict, ctx: Context) -> dict:
-    """The headline: did the compiled decoder build, pass its self-check and the allowance at every size; speeds."""
+    """The headline: did the compiled decoder build, pass its self-check and the allowance at every size; speeds
+    (`timing_summary`), Winograd's verdicts and speed (`winograd_summary`), the Wan2.1 VAE's speeds per size."""
     build_ok = "build" in data and "error" not in data["build"]
     self_check_ok = data.get("compiled_self_check", {}).get("ok", False)
     audits = [v for v in data.get("compiled_correctness", {}).values() if isinstance(v, dict) and "compiled" in v]
@@ -561,17 +673,45 @@ def summary(data: dict, ctx: Context) -> dict:
     out = {"build_ok": build_ok, "self_check_ok": self_check_ok, "correct_at_every_size": sizes_ok and big_ok,
            "compiled_ok": build_ok and self_check_ok and sizes_ok and big_ok}
     for t in ctx.sizes["timing_t"]:
-        base = data.get(f"timing:T={t}", {})
-        compiled = data.get(f"compiled_timing:T={t}", {}).get("compiled", {})
-        for name in ("release_bf16", "diffusers_bf16", "portable"):
-            if "median_seconds" in base.get(name, {}):
-                out[f"T={t} {name} s"] = base[name]["median_seconds"]
-        if "median_seconds" in compiled:
-            out[f"T={t} compiled s"] = compiled["median_seconds"]
-            anchor = base.get("diffusers_bf16", base.get("release_bf16", {})).get("median_seconds")
-            if anchor:
-                out[f"T={t} compiled speedup vs {'diffusers' if 'diffusers_bf16' in base else 'release'}"] = \
-                    round(anchor / compiled["median_seconds"], 2)
+        out.update(timing_summary(data.get(f"timing:T={t}", {}), data.get(f"compiled_timing:T={t}", {}), f"T={t}"))
+    out.update(winograd_summary(data, max(ctx.sizes["timing_t"])))
+    for h, w in ctx.sizes["wan21_hw"]:
+        out.update(timing_summary(data.get(f"wan21_timing:{h}x{w}", {}),
+                                  data.get(f"compiled_wan21_timing:{h}x{w}", {}), f"wan21 {h}x{w}"))
+    return out
+
+
+def timing_summary(base: dict, compiled_step: dict, label: str) -> dict:
+    """The median seconds of one size's decoders, and the compiled decoder's speedup over diffusers' decode (or the
+    release decode where diffusers did not run)."""
+    out = {}
+    compiled = compiled_step.get("compiled", {})
+    for name in ("release_bf16", "diffusers_bf16", "portable"):
+        if "median_seconds" in base.get(name, {}):
+            out[f"{label} {name} s"] = base[name]["median_seconds"]
+    if "median_seconds" in compiled:
+        out[f"{label} compiled s"] = compiled["median_seconds"]
+        anchor = base.get("diffusers_bf16", base.get("release_bf16", {})).get("median_seconds")
+        if anchor:
+            out[f"{label} compiled speedup vs {'diffusers' if 'diffusers_bf16' in base else 'release'}"] = \
+                round(anchor / compiled["median_seconds"], 2)
+    return out
+
+
+def winograd_summary(data: dict, big: int) -> dict:
+    """Winograd's self-check, its whole decode at T = `big` (time, allowance, speedup over the direct kernels) and
+    the suggested `MEASURED_WINOGRAD_LAYERS` entry."""
+    out = {"winograd_self_check_ok": data.get("compiled_winograd_self_check", {}).get("ok", False)}
+    winograd = data.get(f"compiled_winograd_timing:T={big}", {}).get("compiled_winograd", {})
+    direct = data.get(f"compiled_timing:T={big}", {}).get("compiled", {})
+    if "median_seconds" in winograd:
+        out[f"T={big} compiled_winograd s"] = winograd["median_seconds"]
+        out[f"T={big} winograd within the allowance"] = winograd.get("allowance", {}).get("ok", False)
+        if "median_seconds" in direct:
+            out[f"T={big} winograd speedup vs direct"] = round(direct["median_seconds"] / winograd["median_seconds"],
+                                                               2)
+    if "suggested_measured_winograd_layers" in data.get("winograd_conv_bench", {}):
+        out["suggested_measured_winograd_layers"] = data["winograd_conv_bench"]["suggested_measured_winograd_layers"]
     return out
 
 
@@ -581,6 +721,14 @@ def diffusers_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def single_threaded_cpu() -> None:
+    """The dry run's CPU work in one thread, here and in every process it starts (children, the self-check's
+    children): its ops are tiny, and on a shared machine a second thread waiting at every op's barrier made them
+    5-100x slower (measured: the emulated self-check 32 s with two threads, 5 s with one)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def main(argv=None) -> int:
@@ -603,6 +751,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU (use --dry-run on CPU)", file=sys.stderr)
         return 2
+    if args.dry_run:
+        single_threaded_cpu()
     if args.child:
         return child_main(args)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
