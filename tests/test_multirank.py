@@ -41,6 +41,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     results["short"] = _outcome(lambda: decoder.decode(short))
     results["local"] = _outcome(lambda: WanVAEDecoder(sd, device="cpu", frames_per_pass=2, local=True,
                                                      backend="torch").decode(short))
+    # Exact tiles are a single-rank decode: a group of one rank decodes alone and may tile; a larger one may not.
+    results["tiles"] = _outcome(lambda: WanVAEDecoder(sd, device="cpu", backend="torch", tile_rows=2).tile_rows)
     if world > 1:
         mine = z[:, :, :2] if rank == world - 1 else z  # the last rank has a different T
         results["shape_mismatch"] = _outcome(lambda: decoder.decode(mine))
@@ -84,6 +86,9 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
     for r in results:  # local=True: every rank decodes the whole video itself
         assert r["local"][0] == "ok" and torch.equal(r["local"][1], expected_short)
 
+    for r in results:
+        assert r["tiles"] == ("ok", 2) if world == 1 else r["tiles"][0] == "ValueError"
+        assert world == 1 or "tiled decode runs on one rank" in r["tiles"][1]
     if world > 1:
         for rank, r in enumerate(results):
             status, message = r["shape_mismatch"]

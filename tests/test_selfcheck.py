@@ -190,7 +190,7 @@ def test_the_verification_child_imports_this_package_whatever_its_working_direct
     decoy = tmp_path / "fastvideo_pan2_ext"  # a checkout's package folder without vae_kernel, in the cwd
     decoy.mkdir()
     (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
-    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.verification", "cpu", "emulated")
+    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.verification", "cpu", "emulated", "0")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["WAN22_VAE_DECODE_BUILD_DIR"] = str(tmp_path / "cache")
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
