@@ -37,7 +37,8 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
     vae_decode_kernel: decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this rank) instead of FastVideo's
         own Wan VAE decode. When a request only saves the video, the frames are then written to the mp4 as they are
         decoded (`fastvideo_pan2_ext.integration.streamed_save`).
-    vae_frames_per_pass: latent frames the fast decoder processes per pass (memory vs speed; same video).
+    vae_frames_per_pass: latent frames the fast decoder processes per pass (memory vs speed; same video); "auto"
+        (default): the largest of 8, 4, 2, 1 that fits the free device memory and 16 GiB (see `WanVAEDecoder`).
     vae_decode_tile_rows: decode in exact tiles of this many latent rows (fast decoder only; same video, less memory).
     vae_decode_max_memory: or let the fast decoder pick the largest tile whose working memory fits this budget
         (bytes, or a string such as "8GiB").
@@ -56,7 +57,7 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
     """
 
     vae_decode_kernel: bool = False
-    vae_frames_per_pass: int = 4
+    vae_frames_per_pass: int | str = "auto"
     vae_decode_tile_rows: int | None = None
     vae_decode_max_memory: int | str | None = None
 

@@ -76,7 +76,7 @@ def test_bench_weights_drive_diffusers_and_the_reference_identically(name):
 
 @pytest.mark.parametrize("argv, message", [
     (["--frames", "0"], "--frames values must be >= 1"),
-    (["--frames-per-pass", "0"], "must be >= 1"),
+    (["--frames-per-pass", "0"], "frames_per_pass must be 'auto' or an int >= 1"),
     (["--workload", "nope"], "invalid choice"),
     (["--conv-algorithms", "fft"], "invalid choice"),
     (["--conv-layer-size", "1", "0", "4"], "--conv-layer-size values must be >= 1"),

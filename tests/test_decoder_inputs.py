@@ -41,9 +41,9 @@ def test_bad_latents_raise_before_any_output(decoder, z, message):
         decoder.decode_iter(z)  # raises on the call, before a first chunk exists
 
 
-@pytest.mark.parametrize("frames_per_pass", [0, -1, 1.5, True, "4"])
-def test_frames_per_pass_must_be_a_positive_int(wan22_state_dict, frames_per_pass):
-    with pytest.raises(ValueError, match=r"frames_per_pass must be an int >= 1; got"):
+@pytest.mark.parametrize("frames_per_pass", [0, -1, 1.5, True, "4", "Auto", None])
+def test_frames_per_pass_must_be_auto_or_a_positive_int(wan22_state_dict, frames_per_pass):
+    with pytest.raises(ValueError, match=r"frames_per_pass must be 'auto' or an int >= 1; got"):
         WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=frames_per_pass)
 
 

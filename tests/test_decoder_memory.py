@@ -1,5 +1,6 @@
-"""`max_memory`: the decoder measures its own peak working memory (a replay of its buffers on the meta device) and
-picks the largest tile that fits; the decode stays bit-identical to the plain decode and really stays in budget."""
+"""`max_memory` and `frames_per_pass="auto"`: the decoder measures its own peak working memory (a replay of its buffers
+on the meta device) and picks the largest setting (tile, frames per pass) that fits; the decode stays bit-identical to
+the plain decode and really stays in budget."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from _decoder_allowance import latents
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, memory
 from fastvideo_pan2_ext.vae_kernel.memory import LiveBytes, parse_bytes
 
 SHAPE = (2, 8, 3, 7, 2)  # batch 2, an odd frame height, a first pass and a two-frame pass
@@ -103,3 +104,100 @@ def test_bad_budgets_are_rejected(budget):
                                             ("4096", 4096), (123, 123)])
 def test_budget_strings_mean_bytes(text, expected):
     assert parse_bytes(text) == expected
+
+
+# ------------------------------------------------------------------------------------------ frames_per_pass="auto"
+
+LONG = (1, 8, 9, 7, 4)  # nine latent frames: every choice (8, 4, 2, 1) is possible
+
+
+@pytest.fixture(scope="module")
+def auto(wan22_state_dict):
+    return WanVAEDecoder(wan22_state_dict, device="cpu", backend="torch")
+
+
+@pytest.fixture(scope="module")
+def long_video(decoder):
+    z = latents(LONG, seed=11)
+    return z, decoder.decode(z)
+
+
+def _budget_between(decoder, shape, small: int, large: int) -> int:
+    """A budget that the planner says fits frames_per_pass `small` but not `large`."""
+    lo, hi = (1.3 * decoder.peak_bytes(shape, frames_per_pass=n) for n in (small, large))
+    assert lo < hi
+    return int((lo + hi) / 2)
+
+
+def test_auto_is_the_default_and_takes_the_most_frames_a_clip_has(auto, plain, long_video):
+    assert auto.frames_per_pass == "auto"
+    assert auto.plan(LONG) == (8, None)  # a CPU's plan is bounded by DEFAULT_MEMORY_GOAL alone
+    assert auto.plan(SHAPE) == (2, None)  # three latent frames: the first alone, then two
+    for z, expected in (plain, long_video):
+        assert torch.equal(auto.decode(z), expected)
+
+
+def test_auto_with_max_memory_takes_the_largest_setting_that_fits_untiled(wan22_state_dict, auto, long_video):
+    z, expected = long_video
+    budget = _budget_between(auto, LONG, 2, 4)
+    limited = WanVAEDecoder(wan22_state_dict, device="cpu", backend="torch", max_memory=budget)
+    assert limited.plan(LONG) == (2, None)
+    video, measured = _working_peak(limited, z, expected.numel() * 2)
+    assert torch.equal(video, expected)
+    assert measured <= budget, (measured, budget)
+
+
+def test_auto_with_max_memory_below_one_frame_per_pass_tiles_at_one(wan22_state_dict, auto, long_video):
+    z, expected = long_video
+    budget = int(1.3 * auto.peak_bytes(LONG, 3, frames_per_pass=1)) + 1
+    limited = WanVAEDecoder(wan22_state_dict, device="cpu", backend="torch", max_memory=budget)
+    plan = limited.plan(LONG)
+    assert plan.frames_per_pass == 1 and plan.tile_rows is not None and plan.tile_rows >= 3
+    video, measured = _working_peak(limited, z, expected.numel() * 2)
+    assert torch.equal(video, expected)
+    assert measured <= budget, (measured, budget)
+
+
+# The device's free memory is what only a GPU reports (`memory.free_device_bytes`); these tests stand in for it.
+
+def test_auto_fits_the_free_device_memory(monkeypatch, auto, long_video):
+    z, expected = long_video
+    video_bytes = expected.numel() * 2
+    free = _budget_between(auto, LONG, 4, 8) + video_bytes  # the decode returns the video: it needs room too
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: free)
+    assert auto.plan(LONG) == (4, None)
+    assert auto.plan(LONG, stream=True).frames_per_pass == 4  # decode_iter returns no whole video
+
+
+def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatch, auto, long_video):
+    z, expected = long_video
+    video_bytes = expected.numel() * 2
+    room = int(1.3 * auto.peak_bytes(LONG, 2, frames_per_pass=1)) + 1
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: room + video_bytes)
+    plan = auto.plan(LONG)
+    assert plan.frames_per_pass == 1 and plan.tile_rows is not None and plan.tile_rows >= 2
+    video, measured = _working_peak(auto, z, video_bytes)
+    assert torch.equal(video, expected)
+    assert measured <= room, (measured, room)
+
+
+def test_pan2s_default_video_decodes_at_one_frame_per_pass_within_the_16_gib_goal():
+    """The numbers behind the default (bf16 scratch, as on a GPU; `tools/memory_plan.py` prints them): at 704x1248,
+    193 frames, frames_per_pass 1 keeps weights, working memory and video within DEFAULT_MEMORY_GOAL; 2 does not."""
+    from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes, video_shape
+    from fastvideo_pan2_ext.vae_kernel.weights import prepare
+
+    weights = {name: prepare(name, torch.empty(shape, device="meta"))
+               for name, shape in expected_shapes(WAN22_CONFIG).items()}
+    planner = memory.MemoryPlanner(weights, WAN22_CONFIG, torch.device("cuda"))
+    shape = (1, 48, 49, 44, 78)
+    fixed = planner.weight_bytes + 2 * torch.Size(video_shape(WAN22_CONFIG, shape)).numel()
+    total = {fpp: planner.peak_bytes(shape, fpp) + fixed for fpp in (1, 2)}
+    assert total[1] <= memory.DEFAULT_MEMORY_GOAL < total[2], {k: v / 2**30 for k, v in total.items()}
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 9, 5), (1, 7, 9, 5, 5), (1, 8, 0, 5, 5), (1, 8, 2.0, 5, 5)])
+def test_plan_and_peak_bytes_name_a_bad_shape(auto, shape):
+    for ask in (auto.plan, auto.peak_bytes):
+        with pytest.raises(ValueError, match=r"latents_shape must be \[B, 8, T, h, w\] with every size >= 1; got"):
+            ask(shape)

@@ -137,11 +137,14 @@ def test_dry_run_on_a_bare_tree_builds_self_checks_and_measures_everything(machi
         timed = report[f"timing:T={t}"] | report[f"compiled_timing:T={t}"]
         assert set(timed) == {"release_bf16", "diffusers_bf16", "portable", "compiled"}
         assert all(len(entry["runs"]) == 3 and entry["median_seconds"] > 0 for entry in timed.values())
+        # the timed decodes run the product's default, frames_per_pass="auto", and record what it chose
+        assert timed["compiled"]["plan"]["frames_per_pass"] in (1, 2, 4, 8) and timed["release_bf16"]["plan"] is None
     big = max(sizes["timing_t"])
     assert report[f"compiled_timing:T={big}"]["compiled"]["allowance"]["ok"]
     assert set(report[f"compiled_timing:T={big}"]["compiled"]["conv_algorithms"].values()) == {"direct"}
     assert set(report[f"timing:T={big}"]["portable"]["conv_algorithms"].values()) == {"direct"}
     assert set(report["compiled_memory"]) == {str(f) for f in sizes["memory_fpp"]}
+    assert report["compiled_memory"]["auto"]["compiled"]["plan"]["frames_per_pass"] in (1, 2, 4)  # T = 5: at most 4
     assert len(report["compiled_profile"]["compiled"]["top20"]) > 5
     assert {row["op"] for row in report["conv_bench"]} == {"conv3d", "upsample2x_conv3x3"}
     _check_winograd_steps(report, big)

@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, memory
 
     sd = torch.load(f"{tmp}/state_dict.pt")
     z = torch.load(f"{tmp}/latents.pt")
@@ -43,6 +43,14 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                                                      backend="torch").decode(short))
     # Exact tiles are a single-rank decode: a group of one rank decodes alone and may tile; a larger one may not.
     results["tiles"] = _outcome(lambda: WanVAEDecoder(sd, device="cpu", backend="torch", tile_rows=2).tile_rows)
+    # frames_per_pass="auto": each rank plans for its own free device memory (which only a GPU reports: here the last
+    # rank of a group is told it has none, so it plans 1 frame per pass while the others plan 2); the group must
+    # decode at the smallest plan (every rank runs the same passes, or the halo exchanges would not pair up).
+    auto = WanVAEDecoder(sd, device="cpu", backend="torch")
+    if world > 1 and rank == world - 1:
+        memory.free_device_bytes = lambda device: 0
+    results["auto_plan"] = auto.plan(z.shape).frames_per_pass
+    results["auto"] = _outcome(lambda: auto.decode(z))
     if world > 1:
         mine = z[:, :, :2] if rank == world - 1 else z  # the last rank has a different T
         results["shape_mismatch"] = _outcome(lambda: decoder.decode(mine))
@@ -86,6 +94,9 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
     for r in results:  # local=True: every rank decodes the whole video itself
         assert r["local"][0] == "ok" and torch.equal(r["local"][1], expected_short)
 
+    assert [r["auto_plan"] for r in results] == [2] * (world - 1) + [1 if world > 1 else 2]
+    assert results[0]["auto"][0] == "ok" and torch.equal(results[0]["auto"][1], video)
+    assert all(r["auto"] == ("ok", None) for r in results[1:])
     for r in results:
         assert r["tiles"] == ("ok", 2) if world == 1 else r["tiles"][0] == "ValueError"
         assert world == 1 or "tiled decode runs on one rank" in r["tiles"][1]

@@ -171,7 +171,7 @@ def test_defaults_of_fastvideos_vae_switches_for_pan2(pan2):
     assert (vae.use_feature_cache, vae.use_tiling, vae.use_temporal_tiling, vae.use_parallel_tiling) == (
         True, False, False, False)
     assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.vae_decode_tile_rows,
-            config.vae_decode_max_memory) == (False, 4, None, None)
+            config.vae_decode_max_memory) == (False, "auto", None, None)
 
 
 def test_vae_tiling_leaves_fastvideos_pan2_decode_unchanged_and_says_so(pan2, tiny_ckpt, caplog):
@@ -221,7 +221,7 @@ def test_fastvideos_tiled_wan_vae_paths_break_wan22_so_pan2_refuses_them(pan2):
     ({"vae_decode_kernel": True, "vae_decode_max_memory": 0}, r"vae_decode_max_memory must be positive"),
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2, "vae_decode_max_memory": "1GiB"}, r"not both"),
     ({"vae_decode_max_memory": "1GiB"}, r"tile the fast decoder: set vae_decode_kernel=True"),
-    ({"vae_frames_per_pass": 0}, r"vae_frames_per_pass must be an int >= 1; got 0"),
+    ({"vae_frames_per_pass": 0}, r"vae_frames_per_pass must be 'auto' or an int >= 1; got 0"),
 ])
 def test_bad_decode_options_are_clear_errors(pan2, fields, message):
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig

@@ -244,7 +244,7 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
         "not a folder": (["--generator.model_path", str(image), *good[2:]], r"is not a folder"),
         "no model path": (good[2:], r"--pipeline pan2 needs a checkpoint: --generator.model_path PATH"),
         "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_frames_per_pass", "0"],
-                           r"vae_frames_per_pass must be an int >= 1; got 0"),
+                           r"vae_frames_per_pass must be 'auto' or an int >= 1; got 0"),
         "no image": (good[:4], r"--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE"),
         "two videos per request": ([*good, "--request.sampling.num_videos_per_prompt", "2"],
                                    r"PAN2 makes one video per request .* got num_videos_per_prompt=2"),

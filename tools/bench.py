@@ -46,6 +46,7 @@ from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -492,7 +493,7 @@ def parse_args(argv=None):
     p.add_argument("--stream", action="store_true", help="also measure decode_iter with chunks dropped as they come")
     p.add_argument("--skip-baselines", action="store_true",
                    help="time only the fast decoder (no release baseline, no fp32 reference, no audit)")
-    p.add_argument("--frames-per-pass", type=int, default=4)
+    p.add_argument("--frames-per-pass", type=parse_frames_per_pass, default=4, help="an int, or auto (default 4)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--baseline-repeats", type=int, default=1)
@@ -504,8 +505,8 @@ def parse_args(argv=None):
     for name in ("frames", "audit_frames", "ranks", "tile_rows", "conv_layer_size"):
         if any(v < 1 for v in getattr(args, name) or []):
             p.error(f"--{name.replace('_', '-')} values must be >= 1; got {getattr(args, name)}")
-    if args.frames_per_pass < 1 or args.repeats < 1 or args.baseline_repeats < 1:
-        p.error("--frames-per-pass, --repeats and --baseline-repeats must be >= 1")
+    if args.repeats < 1 or args.baseline_repeats < 1:
+        p.error("--repeats and --baseline-repeats must be >= 1")
     return args
 
 

@@ -15,7 +15,7 @@ Everything a 15-minute GPU loan must answer, in one run that cannot lose what it
   direct and the Winograd kernels (TFLOP/s effective and actual, the allowance, which is faster, and the suggested
   `backends.MEASURED_WINOGRAD_LAYERS` entry for this GPU); the compiled decoder's whole decode at T = 49 with every
   3x3 conv by Winograd (median of 3, allowance, peak memory), beside the direct one's;
-- peak allocated / reserved at frames_per_pass 1, 2, 4 (and the planner's replay estimate beside it);
+- peak allocated / reserved at frames_per_pass 1, 2, 4 and auto (and the planner's replay estimate beside it);
 - a torch.profiler kernel table (top 20) of one 4-frame pass, and host vs GPU time per pass;
 - TFLOP/s of our conv against cuDNN's channels-last conv3d on the dominant layer shapes;
 - last (the first to go under the deadline): the Wan2.1 VAE at 480x832 and 720x1280, 81 frames (T = 21), the
@@ -60,7 +60,7 @@ from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder, parse_frames_per_pass  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.kernels import make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS, Ops  # noqa: E402
@@ -76,9 +76,9 @@ TINY_WAN21 = WanVAEConfig(z_dim=16, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), n
 CONFIGS = {"wan22": (WAN22_CONFIG, TINY), "wan21": (WAN21_CONFIG, TINY_WAN21)}
 # (latent rows, cols), correctness T, timing T (the largest also audited), memory T, frames_per_pass to measure;
 # the Wan2.1 VAE's video sizes (rows, cols) and latent frames (T = 21: 81 frames), timed last.
-FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), memory_t=9, memory_fpp=(1, 2, 4),
+FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), memory_t=9, memory_fpp=(1, 2, 4, "auto"),
             wan21_hw=((480, 832), (720, 1280)), wan21_t=21)
-DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), memory_t=5, memory_fpp=(1, 2, 4),
+DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), memory_t=5, memory_fpp=(1, 2, 4, "auto"),
            wan21_hw=((16, 24), (24, 32)), wan21_t=3)
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
@@ -182,7 +182,13 @@ def audit(name: str, video: torch.Tensor, ref32: torch.Tensor, release: torch.Te
 # --------------------------------------------------------------------------------------------------- decoders
 
 
-def decoders(ctx: Context, names, frames_per_pass: int | None = None) -> dict:
+def plan_of(run, latents_shape) -> dict | None:
+    """What one of our decoders will do for these latents (frames_per_pass, tile_rows), None for the others."""
+    decoder = getattr(run, "__self__", None)
+    return decoder.plan(latents_shape)._asdict() if isinstance(decoder, WanVAEDecoder) else None
+
+
+def decoders(ctx: Context, names, frames_per_pass: int | str | None = None) -> dict:
     """name -> a function latents -> video, for the decoders this process runs."""
     fpp = frames_per_pass or ctx.frames_per_pass
     made = {}
@@ -259,14 +265,14 @@ def timing(ctx: Context, names, t: int) -> dict:
     audited = t == max(ctx.sizes["timing_t"])
     for name, run in decoders(ctx, names).items():
         run(ctx.latents(WARMUP_T, seed=99))  # first-call costs (cuDNN autotune, kernel loading) stay out
-        runs, video = [], None
+        runs, video, plan = [], None, plan_of(run, (1, ctx.config.z_dim, t, *ctx.latent_hw))
         for _ in range(REPEATS):
             del video
             record = {}
             with measured(ctx, record):
                 video = run(ctx.latents(t))
             runs.append(record)
-        entry = {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs}
+        entry = {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs, "plan": plan}
         if (table := op_table(ctx, name)) is not None:
             entry["conv_algorithms"] = layer_algorithms(table, ctx.config)
         if audited and oracle_path(ctx, t).exists():
@@ -284,7 +290,7 @@ def memory(ctx: Context, names) -> dict:
     for fpp in ctx.sizes["memory_fpp"]:
         out[fpp] = {}
         for name, run in decoders(ctx, names, frames_per_pass=fpp).items():
-            record = {}
+            record = {"plan": plan_of(run, (1, ctx.config.z_dim, t, *ctx.latent_hw))}
             with measured(ctx, record):
                 run(ctx.latents(t))
             replay = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend="torch", frames_per_pass=fpp)
@@ -742,7 +748,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=480.0,
                         help="seconds for the whole check; steps that no longer fit are skipped (default 480: one "
                              "600 s device command with 120 s to spare)")
-    parser.add_argument("--frames-per-pass", type=int, default=4)
+    parser.add_argument("--frames-per-pass", type=parse_frames_per_pass, default="auto",
+                        help="the timed decodes' setting (default: auto, the product's default)")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip (build, timing, memory, ...)")
     parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=sorted(CHILD_STEPS), help=argparse.SUPPRESS)

@@ -43,19 +43,18 @@ def main(argv=None) -> int:
     shape = (1, WAN22_CONFIG.z_dim, args.frames, args.height // s, args.width // s)
     video_bytes = 2 * torch.Size(video_shape(WAN22_CONFIG, shape)).numel()
     weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    planner = MemoryPlanner(weights, WAN22_CONFIG, torch.device("cuda"))  # bf16 scratch, as on a GPU
     rows = []
     for fpp in args.fpp:
-        planner = MemoryPlanner(weights, WAN22_CONFIG, torch.device("cuda"), fpp)  # bf16 scratch, as on a GPU
-        peak = planner.peak_bytes(shape)
+        peak = planner.peak_bytes(shape, fpp)
         rows.append({"frames_per_pass": fpp, "working_peak_gib": round(peak / GIB, 2),
                      "with_weights_and_video_gib": round((peak + video_bytes + weight_bytes) / GIB, 2)})
         print(f"frames_per_pass {fpp}: working peak {peak / GIB:.2f} GiB; with the bf16 video "
               f"({video_bytes / GIB:.2f} GiB) and weights ({weight_bytes / GIB:.2f} GiB): "
               f"{(peak + video_bytes + weight_bytes) / GIB:.2f} GiB")
-    planner = MemoryPlanner(weights, WAN22_CONFIG, torch.device("cuda"), 4)
     tiles = []
     for tile_rows in args.tile_rows:
-        decode, stream = (planner.peak_bytes(shape, tile_rows, stream) / GIB for stream in (False, True))
+        decode, stream = (planner.peak_bytes(shape, 4, tile_rows, stream) / GIB for stream in (False, True))
         tiles.append({"frames_per_pass": 4, "tile_rows": tile_rows, "decode_working_peak_gib": round(decode, 2),
                       "decode_iter_working_peak_gib": round(stream, 2)})
         print(f"tile_rows {tile_rows}: working peak {decode:.2f} GiB (decode_iter: {stream:.2f} GiB)")

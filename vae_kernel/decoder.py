@@ -9,7 +9,9 @@ table runs: portable or compiled). This module validates input, chooses among th
 
 from __future__ import annotations
 
-from typing import Iterator
+import argparse
+import math
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ from . import weights as weights_mod
 from .agreement import DecodeRequest, agree, supported_dtype
 from .architecture import check_latents, video_shape
 from .backends import select_ops
-from .bands import LocalRows, RankRows
+from .bands import LocalRows, RankRows, split_rows
 from .passes import Chunk, PassRunner, collect
 
 
@@ -42,6 +44,25 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _check_frames_per_pass(name: str, value) -> None:
+    if isinstance(value, str) and value == memory.AUTO:
+        return
+    try:
+        _positive_int(name, value)
+    except ValueError:
+        raise ValueError(f"{name} must be 'auto' or an int >= 1; got {value!r}") from None
+
+
+def parse_frames_per_pass(text: str) -> int | str:
+    """The frames_per_pass option as a command line spells it ("auto" or a count): an argparse type."""
+    value = int(text) if text.strip().lstrip("-").isdigit() else text
+    try:
+        _check_frames_per_pass("frames_per_pass", value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 OPTION_NAMES = ("backend", "frames_per_pass", "tile_rows", "max_memory")
 
 
@@ -53,7 +74,7 @@ def check_decode_options(frames_per_pass, tile_rows, max_memory, enabled: bool =
     switch, names = names[0], names[1:]
     if not isinstance(enabled, bool):
         raise ValueError(f"{switch} must be a bool; got {enabled!r}")
-    _positive_int(names[0], frames_per_pass)
+    _check_frames_per_pass(names[0], frames_per_pass)
     if tile_rows is not None:
         try:
             _positive_int(names[1], tile_rows)
@@ -69,16 +90,28 @@ def check_decode_options(frames_per_pass, tile_rows, max_memory, enabled: bool =
                          "decode has no exact tiling)")
 
 
+class DecodePlan(NamedTuple):
+    """How one decode runs: latent frames per pass, and latent rows per tile (None: untiled)."""
+
+    frames_per_pass: int
+    tile_rows: int | None
+
+
 class WanVAEDecoder:
     """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
-    `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, frames_per_pass=4, local=False, backend="auto")`
+    `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, frames_per_pass="auto", local=False, backend="auto")`
     takes diffusers' (or FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
     [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
     rank 0 returns the video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto"
     (compiled where built and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU
     too), or an `ops.Ops` table to run as given.
+    `frames_per_pass`: latent frames per pass (memory vs speed; the same video), or "auto": per decode, the largest of
+    8, 4, 2, 1 whose planned peak fits `max_memory` when set, else both the free device memory and
+    `memory.DEFAULT_MEMORY_GOAL` (16 GiB for weights, working memory and video together); when even 1 does not fit
+    the free memory, a single-rank decode tiles to fit it. The ranks of a group take the smallest any of them can
+    afford. `plan(latents_shape)` tells what a decode will do.
     `tile_rows=n` (or `enable_tiling(n)`): exact tiled decode of a single-rank decoder, n latent rows per tile.
     `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder picks, per latent shape, the largest tile
     whose peak working memory (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video)
@@ -88,9 +121,9 @@ class WanVAEDecoder:
     nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
     """
 
-    def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int = 4, local: bool = False,
-                 backend: str = "auto", tile_rows: int | None = None, max_memory: int | str | None = None,
-                 conv_algorithm: str = "auto") -> None:
+    def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int | str = memory.AUTO,
+                 local: bool = False, backend: str = "auto", tile_rows: int | None = None,
+                 max_memory: int | str | None = None, conv_algorithm: str = "auto") -> None:
         check_decode_options(frames_per_pass, tile_rows, max_memory)
         self.frames_per_pass = frames_per_pass
         self.tile_rows = None
@@ -102,7 +135,7 @@ class WanVAEDecoder:
             pg = dist.group.WORLD
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
         self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
-        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device, self.frames_per_pass)
+        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
         if tile_rows is not None:
             self.enable_tiling(tile_rows)
         if max_memory is not None:
@@ -139,20 +172,66 @@ class WanVAEDecoder:
     # Memory (memory.MemoryPlanner)
     # ---------------------------------------------------------------------------------------------------------------
 
-    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False) -> int:
-        """Peak working memory (bytes) of decoding latents of `latents_shape` (see `memory.MemoryPlanner`)."""
-        return self._planner.peak_bytes(latents_shape, tile_rows, stream)
+    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False,
+                   frames_per_pass: int | None = None) -> int:
+        """Peak working memory (bytes) of decoding latents of `latents_shape` at `frames_per_pass` (None: this
+        decoder's; for "auto", what `plan` chooses) (see `memory.MemoryPlanner`)."""
+        shape = self._shape(latents_shape)
+        if frames_per_pass is None:
+            frames_per_pass = self.plan(shape, stream).frames_per_pass
+        return self._planner.peak_bytes(shape, frames_per_pass, tile_rows, stream)
 
     def plan_tile_rows(self, latents_shape, stream: bool = False) -> int | None:
         """The tile `decode` (or, stream=True, `decode_iter`) uses for latents of `latents_shape`: with max_memory,
         None (untiled) when the plain decode fits, else the largest tile_rows that fits; ValueError when even
         one-row tiles do not fit."""
-        return self._tile_rows_for(tuple(latents_shape), stream)
+        return self.plan(latents_shape, stream).tile_rows
 
-    def _tile_rows_for(self, latents_shape, stream: bool) -> int | None:
+    def plan(self, latents_shape, stream: bool = False) -> DecodePlan:
+        """How `decode` (or, stream=True, `decode_iter`) decodes latents of `latents_shape` on this rank now (with
+        "auto", the free device memory is read at each call); ValueError when `max_memory` cannot be met."""
+        shape = self._shape(latents_shape)
+        if self.frames_per_pass != memory.AUTO:
+            return DecodePlan(self.frames_per_pass, self._tile_rows_for(shape, stream, self.frames_per_pass))
+        if self.max_memory is not None:  # the largest setting that decodes untiled within budget, else tiles at 1
+            fpp = self._planner.frames_per_pass(shape, self.max_memory, stream) or 1
+            return DecodePlan(fpp, self._tile_rows_for(shape, stream, fpp))
+        band = self._band_shape(shape)
+        video = 0 if stream else 2 * math.prod(video_shape(self.config, shape))  # decode returns it, bf16
+        free = memory.free_device_bytes(self.device)
+        room = None if free is None else free - video
+        goal = memory.DEFAULT_MEMORY_GOAL - self._planner.weight_bytes - video
+        fpp = self._planner.frames_per_pass(band, goal if room is None else min(goal, room), stream, self.tile_rows)
+        if fpp is not None:
+            return DecodePlan(fpp, self._tile_rows_for(shape, stream, fpp))
+        if room is None or self.pg is not None or self.tile_rows is not None \
+                or self._planner.frames_per_pass(band, room, stream) is not None:
+            return DecodePlan(1, self._tile_rows_for(shape, stream, 1))
+        try:  # even one frame per pass overflows the free memory: exact tiles that fit it
+            return DecodePlan(1, self._planner.tile_rows(shape, room, stream, 1))
+        except ValueError:
+            return DecodePlan(1, None)  # nothing fits by the plan: leave it to the allocator
+
+    def _shape(self, latents_shape) -> tuple[int, ...]:
+        shape = tuple(latents_shape)
+        if len(shape) != 5 or shape[1] != self.config.z_dim or not all(isinstance(n, int) and n >= 1 for n in shape):
+            raise ValueError(f"latents_shape must be [B, {self.config.z_dim}, T, h, w] with every size >= 1; got "
+                             f"{latents_shape!r}")
+        return shape
+
+    def _tile_rows_for(self, latents_shape, stream: bool, frames_per_pass: int) -> int | None:
         if self.max_memory is None:
             return self.tile_rows if self.tile_rows is not None and self.tile_rows < latents_shape[3] else None
-        return self._planner.tile_rows(latents_shape, self.max_memory, stream)
+        return self._planner.tile_rows(latents_shape, self.max_memory, stream, frames_per_pass)
+
+    def _band_shape(self, latents_shape) -> tuple[int, ...]:
+        """The latents one rank decodes: its band of rows plus a halo row on each side (the whole frame alone)."""
+        if self.pg is None:
+            return latents_shape
+        height = latents_shape[3]
+        bands = split_rows(height, dist.get_world_size(self.pg), self.ops.row_multiple)
+        rows = min(max(stop - start for start, stop in bands) + 2, height)
+        return (*latents_shape[:3], rows, latents_shape[4])
 
     # ---------------------------------------------------------------------------------------------------------------
     # Input checks (every rank agrees before any work starts)
@@ -171,14 +250,19 @@ class WanVAEDecoder:
             return "latents contain NaN or Inf"
         return None
 
-    def _check_input(self, latents, rows: LocalRows) -> None:
+    def _start(self, latents, stream: bool) -> tuple[DecodePlan, LocalRows]:
+        """Check the input and plan the decode; the ranks of a group first agree on both (an error on one rank raises
+        on all; they decode at the smallest frames_per_pass any of them planned)."""
+        rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
         error = self._input_error(latents)
-        if not isinstance(rows, RankRows):
-            if error:
-                raise ValueError(error)
-            return
-        mine = DecodeRequest(False) if error else DecodeRequest.of(latents, self.frames_per_pass, self.config)
-        agree(self.pg, rows.comm_device, mine, error)
+        plan = None if error else self.plan(latents.shape, stream)
+        if isinstance(rows, RankRows):
+            mine = DecodeRequest(False) if error else DecodeRequest.of(latents, self.frames_per_pass,
+                                                                       plan.frames_per_pass, self.config)
+            return DecodePlan(agree(self.pg, rows.comm_device, mine, error), None), rows
+        if error:
+            raise ValueError(error)
+        return plan, rows
 
     # ---------------------------------------------------------------------------------------------------------------
     # Decoding
@@ -187,8 +271,8 @@ class WanVAEDecoder:
     def _rows(self, height: int) -> LocalRows:
         return LocalRows(height) if self.pg is None else RankRows(height, self.pg, self.device, self.ops.row_multiple)
 
-    def _runner(self) -> PassRunner:
-        return PassRunner(self.ops, self.weights, self.config, self.device, self.frames_per_pass)
+    def _runner(self, plan: DecodePlan) -> PassRunner:
+        return PassRunner(self.ops, self.weights, self.config, self.device, plan.frames_per_pass)
 
     def output_shape(self, latents: torch.Tensor) -> tuple[int, ...]:
         return video_shape(self.config, latents.shape)
@@ -200,22 +284,18 @@ class WanVAEDecoder:
         (`tile_rows` / `max_memory`) every pass runs tile after tile, each tile keeping its own causal history, so the
         chunks are the same, the activations are one tile's, and the histories are the whole frame's (plus margins):
         `peak_bytes(shape, n, stream=True)`."""
-        rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
-        self._check_input(latents, rows)
-        tile_rows = self._tile_rows_for(latents.shape, stream=True)
-        if tile_rows is not None:
-            return self._runner().iter_tiles(latents, tile_rows)
+        plan, rows = self._start(latents, stream=True)
+        if plan.tile_rows is not None:
+            return self._runner(plan).iter_tiles(latents, plan.tile_rows)
         if not rows.active:
             return iter(())
-        return self._runner().iter_bands(latents, rows)
+        return self._runner(plan).iter_bands(latents, rows)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None."""
-        if self.tile_rows is not None or self.max_memory is not None:
-            self._check_input(latents, LocalRows(1))
-            tile_rows = self._tile_rows_for(latents.shape, stream=False)
-            if tile_rows is not None:
-                video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
-                return self._runner().decode_tiles(latents, video, tile_rows)
-        chunks = self.decode_iter(latents)  # checks the input first
+        plan, rows = self._start(latents, stream=False)
+        if plan.tile_rows is not None:
+            video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
+            return self._runner(plan).decode_tiles(latents, video, plan.tile_rows)
+        chunks = self._runner(plan).iter_bands(latents, rows) if rows.active else iter(())
         return collect(chunks, self.output_shape(latents), self.device)

@@ -9,6 +9,9 @@ replay's peak is the decode's peak working memory: everything it allocates beyon
 returned video. Scratch is counted twice over (`_SCRATCH_COPIES`): the portable ops make a cast copy and a layout copy
 of some operands (measured against the real CPU decode under `LiveBytes`, one copy underestimates small tiles by up
 to 30%).
+
+`frames_per_pass="auto"` (the default) is planned here too: the largest of `FRAMES_PER_PASS_CHOICES` whose peak fits
+a budget (docs/design.md, "The decoder": memory planner).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from .ops import Ops
 from .passes import latent_passes, pass_video_frames, row_tiles
 
 _SCRATCH_COPIES = 2
+AUTO = "auto"
+FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first
+# frames_per_pass="auto" keeps a decode's whole allocation (weights, working memory, returned video) within this when
+# nothing smaller bounds it: PAN2's default video (704x1248, 193 frames) then decodes at frames_per_pass 1 on one GPU.
+DEFAULT_MEMORY_GOAL = 16 * 2**30
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -46,6 +54,15 @@ def parse_bytes(budget, name: str = "max_memory") -> int:
     if value < 1:
         raise ValueError(f"{name} must be positive; got {budget!r}")
     return value
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """What a decode may still allocate on `device`: the device's free memory plus what torch's caching allocator holds
+    unused (None on a CPU: not measured, only `DEFAULT_MEMORY_GOAL` bounds the plan there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def format_bytes(n: int) -> str:
@@ -117,24 +134,38 @@ class MemoryPlanner:
     """A decode's peak working memory, measured by replaying its buffers on the meta device, and the tile that keeps
     it within a budget."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, frames_per_pass: int) -> None:
-        self.config, self.device, self.frames_per_pass = config, device, frames_per_pass
+    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device) -> None:
+        self.config, self.device = config, device
         self._weights = weights
         self._meta_weights = None
+        self._peaks: dict[tuple, int] = {}
         self._plans: dict[tuple, int | None] = {}
 
-    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False) -> int:
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self._weights.values())
+
+    def peak_bytes(self, latents_shape, frames_per_pass: int, tile_rows: int | None = None,
+                   stream: bool = False) -> int:
         """Peak working memory (bytes) of decoding one sample of latents of `latents_shape` ([B, C, T, h, w]) with
-        `tile_rows` (None: untiled), by `decode` (stream=False) or `decode_iter` (stream=True; tiles then advance
-        together, so every tile's causal history is alive at once). Excludes weights, latents and the returned video
-        (for `decode_iter`, the chunk being yielded is included). Batch elements are decoded one after another, so
-        the batch size does not change it."""
+        `tile_rows` (None: untiled) at `frames_per_pass`, by `decode` (stream=False) or `decode_iter` (stream=True;
+        tiles then advance together, so every tile's causal history is alive at once). Excludes weights, latents and
+        the returned video (for `decode_iter`, the chunk being yielded is included). Batch elements are decoded one
+        after another, so the batch size does not change it. Remembered per shape and setting."""
+        key = (*latents_shape[2:], tile_rows, stream, frames_per_pass)
+        if key not in self._peaks:
+            self._peaks[key] = self._replay(latents_shape, tile_rows, stream, frames_per_pass)
+        return self._peaks[key]
+
+    def _replay(self, latents_shape, tile_rows: int | None, stream: bool, frames_per_pass: int) -> int:
         _, _, t, height, width = latents_shape
         if self._meta_weights is None:
             self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
         itemsize = 4 if self.device.type == "cpu" else 2  # the portable ops compute in fp32 on CPU, bf16 on GPU
         ops, p, s = dry_ops(itemsize), self.config.patch_size, self.config.spatial_scale
-        passes = latent_passes(t, self.frames_per_pass)[:2]  # the first frame, then the largest pass: later repeat it
+        # The first frame, a pass whose causal history is that one frame, then one with the full history (two frames
+        # at every conv): later passes repeat the third.
+        passes = latent_passes(t, frames_per_pass)[:3]
         z = torch.empty((self.config.z_dim, passes[-1][1], height, width), device="meta")
         meta = torch.device("meta")
         if tile_rows is None or tile_rows >= height:
@@ -161,43 +192,52 @@ class MemoryPlanner:
             del states
         return tracker.peak
 
-    def tile_rows(self, latents_shape, budget: int, stream: bool) -> int | None:
+    def frames_per_pass(self, latents_shape, budget: int, stream: bool, tile_rows: int | None = None) -> int | None:
+        """The largest of `FRAMES_PER_PASS_CHOICES` whose peak (with `tile_rows`) fits `budget` bytes, None when
+        none does. A clip of T latent frames never needs more than T - 1 per pass (the first frame goes alone)."""
+        most = max(latents_shape[2] - 1, 1)
+        for fpp in FRAMES_PER_PASS_CHOICES:
+            if fpp <= most and self._fits(latents_shape, tile_rows, stream, budget, fpp):
+                return fpp
+        return None
+
+    def tile_rows(self, latents_shape, budget: int, stream: bool, frames_per_pass: int) -> int | None:
         """The largest tile whose peak fits `budget` bytes (None: the untiled decode fits); ValueError when even
         one-row tiles do not fit. Remembered per latent shape."""
-        key = (*latents_shape[2:], budget, stream)
+        key = (*latents_shape[2:], budget, stream, frames_per_pass)
         if key not in self._plans:
-            self._plans[key] = self._plan(tuple(latents_shape), budget, stream)
+            self._plans[key] = self._plan(tuple(latents_shape), budget, stream, frames_per_pass)
         return self._plans[key]
 
-    def _fits(self, shape, tile_rows, stream, budget) -> bool:
-        return self.peak_bytes(shape, tile_rows, stream) * PEAK_HEADROOM <= budget
+    def _fits(self, shape, tile_rows, stream, budget, frames_per_pass) -> bool:
+        return self.peak_bytes(shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
 
-    def _plan(self, shape, budget: int, stream: bool) -> int | None:
+    def _plan(self, shape, budget: int, stream: bool, fpp: int) -> int | None:
         height = shape[3]
-        if self._fits(shape, None, stream, budget):
+        if self._fits(shape, None, stream, budget, fpp):
             return None
         if stream:
-            return self._plan_stream(shape, budget)
-        smallest = int(self.peak_bytes(shape, 1) * PEAK_HEADROOM)
+            return self._plan_stream(shape, budget, fpp)
+        smallest = int(self.peak_bytes(shape, fpp, 1) * PEAK_HEADROOM)
         if smallest > budget:
             raise _too_small(budget, shape, smallest, "even in one-row tiles")
         lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(shape, mid, False, budget):
+            if self._fits(shape, mid, False, budget, fpp):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def _plan_stream(self, shape, budget: int) -> int:
+    def _plan_stream(self, shape, budget: int, fpp: int) -> int:
         """Streaming keeps every tile's history, and the tiles' margins overlap, so below some size smaller tiles
         cost more (Wan2.2 at 704x1248: least near 11 rows). Try each tile count's largest tile, largest first."""
         height = shape[3]
         candidates = sorted({-(-height // k) for k in range(2, height + 1)}, reverse=True)
         peaks = []
         for rows in candidates:
-            peak = int(self.peak_bytes(shape, rows, True) * PEAK_HEADROOM)
+            peak = int(self.peak_bytes(shape, fpp, rows, True) * PEAK_HEADROOM)
             if peak <= budget:
                 return rows
             peaks.append(peak)

@@ -65,6 +65,12 @@ def contact_sheet(video: Path, out: Path, caption: str) -> tuple[int, tuple[int,
     return len(frames), (width, height), meta["fps"]
 
 
+def _frames_per_pass(text: str) -> int | str:
+    from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass  # imports torch: not for --help
+
+    return parse_frames_per_pass(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastvideo_pan2_ext.demo",
@@ -84,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decoder", choices=("kernel", "fastvideo"), default="kernel",
                         help="VAE decode: fastvideo_pan2_ext's WanVAEDecoder (vae_decode_kernel=True, default) or "
                         "FastVideo's own")
-    parser.add_argument("--frames-per-pass", type=int, default=4, help="latent frames per decoder pass (default 4)")
+    parser.add_argument("--frames-per-pass", type=_frames_per_pass, default="auto",
+                        help="latent frames per decoder pass, or auto (default: the largest that fits memory)")
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"where the tiny checkpoint is kept (default: {default_cache_dir()})")
@@ -100,8 +107,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--frames must be 4T-3 for a whole number T >= 1 (1, 5, 9, ...); got {args.frames}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
-    if args.frames_per_pass < 1:
-        parser.error(f"--frames-per-pass must be >= 1; got {args.frames_per_pass}")
     try:
         check_size(args.height, args.width)
         load_image(args.image)

@@ -6,7 +6,7 @@ plugin), off by default, set like any of its fields (Python: `pipeline_config.va
 `--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`):
 
     decode_kernel: bool = False            # decode with the fast decoder
-    decode_frames_per_pass: int = 4        # latent frames per pass (memory vs speed; same video)
+    decode_frames_per_pass: int | str = "auto"   # latent frames per pass (memory vs speed; same video)
     decode_tile_rows: int | None = None    # exact tiles of this many latent rows (single-rank decode)
     decode_max_memory: int | str | None = None   # or the largest tile whose working memory fits this budget
 
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # `check_decode_options`' order.
 CONFIG_FIELDS = {
     "decode_kernel": (bool, False),
-    "decode_frames_per_pass": (int, 4),
+    "decode_frames_per_pass": (int | str, "auto"),
     "decode_tile_rows": (int | None, None),
     "decode_max_memory": (int | str | None, None),
 }
@@ -49,7 +49,7 @@ CONFIG_FIELDS = {
 class DecodeOptions:
     """The fast decoder's options, as a Wan VAE config holds them."""
 
-    frames_per_pass: int = 4
+    frames_per_pass: int | str = "auto"
     tile_rows: int | None = None
     max_memory: int | str | None = None
 
@@ -112,7 +112,7 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     if cached is None or cached[0] != key:
         decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, frames_per_pass=opts.frames_per_pass,
                                 tile_rows=opts.tile_rows, max_memory=opts.max_memory)
-        logger.info("fast VAE decoder: backend %s, frames_per_pass %d, tile_rows %s, max_memory %s, %s on %s",
+        logger.info("fast VAE decoder: backend %s, frames_per_pass %s, tile_rows %s, max_memory %s, %s on %s",
                     decoder.backend, opts.frames_per_pass, opts.tile_rows, opts.max_memory,
                     "one rank" if group is None else "rows split over the ranks", device)
         cached = _decoders[vae] = (key, decoder)
