@@ -3,7 +3,7 @@ byte budget"). Counted, not estimated by hand: the decoder's own network runs on
 that records every hot call's FLOPs and bytes, and a dispatch mode counts the bytes every other tensor op (the glue:
 history windows, copies, padding) reads and writes.
 
-    python tools/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4]
+    python tools/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4 1]
 
 Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the
 least any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not
@@ -145,19 +145,25 @@ def main(argv=None) -> int:
     parser.add_argument("--frames", type=int, default=49, help="latent frames T (video: 4T - 3)")
     parser.add_argument("--height", type=int, default=704)
     parser.add_argument("--width", type=int, default=1248)
-    parser.add_argument("--fpp", type=int, default=4, help="latent frames per pass")
+    parser.add_argument("--fpp", type=int, nargs="+", default=[4, 1],
+                        help="latent frames per pass, one budget each (default: 4, and 1: what frames_per_pass='auto' "
+                             "picks for this video)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench" / "results")
     args = parser.parse_args(argv)
-    counts = decode_budget(args.frames, args.height, args.width, args.fpp)
-    summary = summarize(counts)
+    if any(fpp < 1 for fpp in args.fpp):
+        parser.error(f"--fpp values must be >= 1; got {args.fpp}")
+    by_fpp = {}
+    for fpp in args.fpp:
+        counts = decode_budget(args.frames, args.height, args.width, fpp)
+        by_fpp[fpp] = {"summary": summarize(counts),
+                       "tflop_by_kind": {k: v / 1e12 for k, v in sorted(counts["flops"].items())},
+                       "gb_by_kind": {k: v / 1e9 for k, v in sorted(counts["bytes"].items(), key=lambda kv: -kv[1])}}
     date = datetime.date.today().isoformat()
     result = {"command": "python tools/budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": date, "config": "Wan2.2 (real widths)", "latent_frames": args.frames,
-              "video": [4 * args.frames - 3, args.height, args.width], "frames_per_pass": args.fpp,
+              "video": [4 * args.frames - 3, args.height, args.width],
               "rates": {"gemm_tflops": GEMM_FLOPS / 1e12, "copy_tb_s": COPY_BYTES / 1e12},
-              "summary": summary,
-              "tflop_by_kind": {k: v / 1e12 for k, v in sorted(counts["flops"].items())},
-              "gb_by_kind": {k: v / 1e9 for k, v in sorted(counts["bytes"].items(), key=lambda kv: -kv[1])}}
+              "by_frames_per_pass": by_fpp}
     print(json.dumps(result, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"budget-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
