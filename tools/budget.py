@@ -140,6 +140,17 @@ def summarize(counts: dict) -> dict:
     }
 
 
+def per_later_frame(clip: dict, first: dict, frames: int) -> dict:
+    """What each latent frame after the first adds, on average: (the clip's counts - the first frame's) / (T - 1)."""
+    def split(counts):
+        hot = sum(v for k, v in counts["bytes"].items() if not k.startswith("glue: "))
+        return (sum(counts["flops"].values()), counts["winograd_flops"], hot, sum(counts["bytes"].values()) - hot)
+
+    names = ("tflop", "tflop_winograd", "gb_op_table", "gb_glue")
+    scale = (1e12, 1e12, 1e9, 1e9)
+    return {name: (a - b) / (frames - 1) / unit for name, a, b, unit in zip(names, split(clip), split(first), scale)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, default=49, help="latent frames T (video: 4T - 3)")
@@ -152,10 +163,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if any(fpp < 1 for fpp in args.fpp):
         parser.error(f"--fpp values must be >= 1; got {args.fpp}")
+    if args.frames < 2:
+        parser.error(f"--frames must be >= 2 (a budget per later latent frame needs one); got {args.frames}")
+    first = decode_budget(1, args.height, args.width, 1)
     by_fpp = {}
     for fpp in args.fpp:
         counts = decode_budget(args.frames, args.height, args.width, fpp)
-        by_fpp[fpp] = {"summary": summarize(counts),
+        by_fpp[fpp] = {"summary": summarize(counts), "per_later_latent_frame": per_later_frame(counts, first,
+                                                                                               args.frames),
                        "tflop_by_kind": {k: v / 1e12 for k, v in sorted(counts["flops"].items())},
                        "gb_by_kind": {k: v / 1e9 for k, v in sorted(counts["bytes"].items(), key=lambda kv: -kv[1])}}
     date = datetime.date.today().isoformat()
