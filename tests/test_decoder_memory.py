@@ -177,7 +177,7 @@ def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatc
     plan = auto.plan(LONG)
     assert plan.frames_per_pass == 1 and plan.tile_rows is not None and plan.tile_rows >= 2
     video, measured = _working_peak(auto, z, video_bytes)
-    assert torch.equal(video, expected)
+    assert auto.last_plan == plan and torch.equal(video, expected)
     assert measured <= room, (measured, room)
 
 

@@ -68,6 +68,7 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tin
         assert stage in report, stage
     assert "decoder:       WanVAEDecoder (fastvideo_pan2_ext), the mp4 written while decoding" in report
     assert "fast VAE decoder: backend torch, frames_per_pass 2, tile_rows None, max_memory None, one rank on cpu" in log
+    assert "fast VAE decoder: latents [1, 48, 3, 4, 6]: 2 latent frame(s) per pass, untiled" in log
     assert f"PAN2 decode: wrote {E2E_FRAMES} frames to {video} while decoding" in log
     # Decided in the parent before the worker started; the worker had it before it loaded any model.
     assert ("PAN2 attention policy: FASTVIDEO_FA4=1 (inherited or left as is); "

@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         memory.free_device_bytes = lambda device: 0
     results["auto_plan"] = auto.plan(z.shape).frames_per_pass
     results["auto"] = _outcome(lambda: auto.decode(z))
+    results["auto_ran"] = tuple(auto.last_plan)
     if world > 1:
         mine = z[:, :, :2] if rank == world - 1 else z  # the last rank has a different T
         results["shape_mismatch"] = _outcome(lambda: decoder.decode(mine))
@@ -97,6 +98,7 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
     assert [r["auto_plan"] for r in results] == [2] * (world - 1) + [1 if world > 1 else 2]
     assert results[0]["auto"][0] == "ok" and torch.equal(results[0]["auto"][1], video)
     assert all(r["auto"] == ("ok", None) for r in results[1:])
+    assert all(r["auto_ran"] == (1 if world > 1 else 2, None) for r in results)  # the smallest plan, everywhere
     for r in results:
         assert r["tiles"] == ("ok", 2) if world == 1 else r["tiles"][0] == "ValueError"
         assert world == 1 or "tiled decode runs on one rank" in r["tiles"][1]

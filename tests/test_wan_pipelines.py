@@ -83,6 +83,8 @@ def test_stock_wan22_ti2v_cli_switch_on_decodes_with_the_fast_decoder(wan22_stoc
     log = cli_generate(wan22_stock, tmp_path / "on.mp4", SWITCH, "true")
     assert ("fast VAE decoder: backend torch, frames_per_pass auto, tile_rows None, max_memory None, one rank on cpu"
             in log)
+    # 9 frames: three latent frames, so "auto" can use at most 2 per pass (the first frame goes alone)
+    assert "fast VAE decoder: latents [1, 48, 3, 4, 6]: 2 latent frame(s) per pass, untiled" in log
 
 
 def test_stock_wan22_ti2v_cli_switch_off_is_fastvideos_decode(wan22_stock, tmp_path):

@@ -136,6 +136,7 @@ class WanVAEDecoder:
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
         self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
+        self.last_plan: DecodePlan | None = None  # what the latest decode or decode_iter ran (the ranks' agreed plan)
         if tile_rows is not None:
             self.enable_tiling(tile_rows)
         if max_memory is not None:
@@ -259,9 +260,10 @@ class WanVAEDecoder:
         if isinstance(rows, RankRows):
             mine = DecodeRequest(False) if error else DecodeRequest.of(latents, self.frames_per_pass,
                                                                        plan.frames_per_pass, self.config)
-            return DecodePlan(agree(self.pg, rows.comm_device, mine, error), None), rows
-        if error:
+            plan = DecodePlan(agree(self.pg, rows.comm_device, mine, error), None)
+        elif error:
             raise ValueError(error)
+        self.last_plan = plan
         return plan, rows
 
     # ---------------------------------------------------------------------------------------------------------------

@@ -119,16 +119,27 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     return cached[1]
 
 
+def _log_plan(decoder: WanVAEDecoder, z: torch.Tensor) -> None:
+    plan = decoder.last_plan
+    logger.info("fast VAE decoder: latents %s: %d latent frame(s) per pass, %s", list(z.shape), plan.frames_per_pass,
+                "untiled" if plan.tile_rows is None else f"in tiles of {plan.tile_rows} latent rows")
+
+
 @torch.no_grad()
 def decode(vae, z: torch.Tensor) -> torch.Tensor:
     """What `AutoencoderKLWan.decode(z)` returns, from the fast decoder: fp32 video in [-1, 1] (bf16 arithmetic with
     fp32 statistics inside; FastVideo's autocast does not reach it)."""
-    video = decoder_for(vae, z.device).decode(z)
+    decoder = decoder_for(vae, z.device)
+    video = decoder.decode(z)
+    _log_plan(decoder, z)
     if video is None:  # a rank other than 0: FastVideo returns rank 0's video, so values here are never used
-        return torch.zeros((), device=z.device).expand(video_shape(decoder_for(vae, z.device).config, z.shape))
+        return torch.zeros((), device=z.device).expand(video_shape(decoder.config, z.shape))
     return video.float()
 
 
 def iter_decode(vae, z: torch.Tensor):
     """`WanVAEDecoder.decode_iter` of the fast decoder of `vae` (chunks on rank 0, None elsewhere)."""
-    return decoder_for(vae, z.device).decode_iter(z)
+    decoder = decoder_for(vae, z.device)
+    chunks = decoder.decode_iter(z)
+    _log_plan(decoder, z)
+    return chunks

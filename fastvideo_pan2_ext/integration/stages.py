@@ -74,7 +74,7 @@ def write_while_decoding(vae, latents: torch.Tensor, request: streamed_save.Stre
     """Decode with the fast decoder of `vae` and write the video to `request.path` as it comes (a batch side by side,
     as FastVideo saves one). Every rank of the decode group decodes its rows; rank 0 writes."""
     decoder = fast_decode.decoder_for(vae, latents.device)
-    chunks = [decoder.decode_iter(latents[b:b + 1]) for b in range(latents.shape[0])]
+    chunks = [fast_decode.iter_decode(vae, latents[b:b + 1]) for b in range(latents.shape[0])]
     start = time.perf_counter()
     if not decoder.is_root:
         for _ in zip(*chunks):  # in step with rank 0's writer: each step is one collective decode pass
