@@ -45,8 +45,8 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"

@@ -123,8 +123,8 @@ class Context:
     """What every step needs: where it runs, the model (the Wan2.2 VAE; `layout="wan21"`: the Wan2.1 VAE decoding
     video of `video_hw`), the sizes, the scratch folder the children read."""
 
-    def __init__(self, dry_run: bool, stand_in: str, scratch: Path, frames_per_pass: int, layout: str = "wan22",
-                 video_hw: tuple[int, int] | None = None) -> None:
+    def __init__(self, dry_run: bool, stand_in: str, scratch: Path, frames_per_pass: int | str,
+                 layout: str = "wan22", video_hw: tuple[int, int] | None = None) -> None:
         self.dry_run = dry_run
         self.device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
         self.layout = layout
