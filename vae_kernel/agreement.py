@@ -61,11 +61,11 @@ def agree(pg, comm_device: torch.device, mine: DecodeRequest, error: str | None)
     dist.all_gather(everyone, mine.to_tensor().to(comm_device), group=pg)
     if error:
         raise ValueError(error)
-    for rank, tensor in enumerate(everyone):
-        theirs = DecodeRequest.from_tensor(tensor)
+    requests = [DecodeRequest.from_tensor(tensor) for tensor in everyone]
+    for rank, theirs in enumerate(requests):
         if not theirs.valid:
             raise ValueError(f"rank {rank} of the decode group rejected its latents; see that rank's error")
         if not theirs.same_decode(mine):
             raise ValueError(f"ranks disagree about the decode: rank {rank} has {theirs}; this rank has {mine}; "
                              "every rank must pass the same latents")
-    return min(DecodeRequest.from_tensor(tensor).planned_frames_per_pass for tensor in everyone)
+    return min(request.planned_frames_per_pass for request in requests)

@@ -206,7 +206,7 @@ class WanVAEDecoder:
         if fpp is not None:
             return DecodePlan(fpp, self._tile_rows_for(shape, stream, fpp))
         if room is None or self.pg is not None or self.tile_rows is not None \
-                or self._planner.frames_per_pass(band, room, stream) is not None:
+                or self._planner.fits(band, None, stream, room, 1):
             return DecodePlan(1, self._tile_rows_for(shape, stream, 1))
         try:  # even one frame per pass overflows the free memory: exact tiles that fit it
             return DecodePlan(1, self._planner.tile_rows(shape, room, stream, 1))

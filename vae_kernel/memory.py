@@ -198,7 +198,7 @@ class MemoryPlanner:
         none does. A clip of T latent frames never needs more than T - 1 per pass (the first frame goes alone)."""
         most = max(latents_shape[2] - 1, 1)
         for fpp in FRAMES_PER_PASS_CHOICES:
-            if fpp <= most and self._fits(latents_shape, tile_rows, stream, budget, fpp):
+            if fpp <= most and self.fits(latents_shape, tile_rows, stream, budget, fpp):
                 return fpp
         return None
 
@@ -210,12 +210,13 @@ class MemoryPlanner:
             self._plans[key] = self._plan(tuple(latents_shape), budget, stream, frames_per_pass)
         return self._plans[key]
 
-    def _fits(self, shape, tile_rows, stream, budget, frames_per_pass) -> bool:
+    def fits(self, shape, tile_rows, stream, budget, frames_per_pass) -> bool:
+        """Whether the planned peak (x PEAK_HEADROOM) of this decode setting fits `budget` bytes."""
         return self.peak_bytes(shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
 
     def _plan(self, shape, budget: int, stream: bool, fpp: int) -> int | None:
         height = shape[3]
-        if self._fits(shape, None, stream, budget, fpp):
+        if self.fits(shape, None, stream, budget, fpp):
             return None
         if stream:
             return self._plan_stream(shape, budget, fpp)
@@ -225,7 +226,7 @@ class MemoryPlanner:
         lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(shape, mid, False, budget, fpp):
+            if self.fits(shape, mid, False, budget, fpp):
                 lo = mid
             else:
                 hi = mid - 1
