@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -42,9 +43,9 @@ class CompiledKernels:
 
     def __init__(self, ext, fallbacks: collections.Counter) -> None:
         self.ext = ext
-        self.arch = ext.arch()
         self.fallbacks = fallbacks
-        self._bias4: dict[tuple, torch.Tensor] = {}
+        # id(bias) -> (weak reference to the bias, its version, the bias per phase); see _bias_per_phase
+        self._bias4: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def _fallback(self, op: str, reason: str) -> None:
         self.fallbacks[f"{op}: {reason}"] += 1
@@ -158,14 +159,17 @@ class CompiledKernels:
         return None
 
     def _bias_per_phase(self, b: torch.Tensor) -> torch.Tensor:
-        key = (b.data_ptr(), b._version, b.numel())
-        cached = self._bias4.get(key)
-        if cached is None:
-            if len(self._bias4) > 64:
-                self._bias4.clear()
-            cached = self._bias4[key] = b.float().repeat(4).contiguous()
-        return cached
-
+        """b repeated for the four phases (fp32), derived once per bias tensor. The table is shared by every decoder
+        of the process, so an entry must never outlive its bias: it holds a weak reference (checked by identity, and
+        b's version for in-place changes) and is dropped when the bias is freed, so another model's bias that lands
+        at the freed address can never hit it. Nothing here keeps a model's weights alive."""
+        entry = self._bias4.get(id(b))
+        if entry is not None and entry[0]() is b and entry[1] == b._version:
+            return entry[2]
+        cache, key = self._bias4, id(b)
+        bias4 = b.float().repeat(4).contiguous()
+        cache[key] = (weakref.ref(b, lambda _: cache.pop(key, None)), b._version, bias4)
+        return bias4
 
 def make_ops(ext, name: str = "compiled", winograd_convs: bool = False,
              keep_direct: Iterable[winograd.LayerShape] | Callable[[int, int, int], bool] = ()) -> ops.Ops:
