@@ -1,8 +1,8 @@
 """The compiled extension's Python API (csrc/binding.cpp) implemented with torch on any device: the stand-in for the
 GPU where there is none (CPU rehearsals of the GPU check, tests of the op-table adaptor, the self-check and the loader).
 
-Same functions, argument order, checks that matter to the caller (contiguity, channel multiples of 8, explicit
-per-side padding, strided destinations) and rounding points (fp32 accumulation, one rounding to bf16 on store). It can
+Same functions, argument order, checks that matter to the caller (contiguity, channel multiples of 8, the 16-byte
+alignment of every tensor and of its strides, explicit per-side padding, strided destinations) and rounding points (fp32 accumulation, one rounding to bf16 on store). It can
 also misbehave on purpose, to prove that a wrong or crashing build is caught: `conv_error` / `norm_error` perturb the
 results, `abort=True` kills the process at the first kernel call (what a faulting kernel does to its CUDA context).
 """
@@ -20,6 +20,21 @@ from . import winograd
 # Pseudo-architectures that `extension.open_extension` answers with an emulated extension (CPU rehearsals): a correct
 # one, one outside the allowance, one whose first kernel call kills its process.
 VARIANTS = {"emulated": {}, "emulated-wrong": {"conv_error": 0.05}, "emulated-abort": {"abort": True}}
+
+
+def _check_aligned(**tensors: torch.Tensor | None) -> None:
+    """csrc/binding.cpp's layout rule: every tensor 16-byte aligned, every stride but the unit channel one (of a dim
+    longer than 1) a multiple of 16 bytes."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        per16 = 16 // t.element_size()
+        if t.data_ptr() % 16:
+            raise RuntimeError(f"{name} must start at a 16-byte aligned address; got sizes {list(t.shape)}, strides "
+                               f"{list(t.stride())}, storage offset {t.storage_offset()}")
+        if any(n > 1 and s % per16 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+            raise RuntimeError(f"{name}'s strides must be multiples of {per16} elements (16 bytes) in every dim "
+                               f"longer than 1; got sizes {list(t.shape)}, strides {list(t.stride())}")
 
 
 class EmulatedExtension:
@@ -43,6 +58,7 @@ class EmulatedExtension:
             raise RuntimeError("x and w must be contiguous and out must have unit channel stride")
         if x.shape[-1] % 8 or w.shape[0] % 8:
             raise RuntimeError("conv3d: channel counts must be multiples of 8")
+        _check_aligned(x=x, w=w, b=b, out=out, residual=residual)
         self._enter("conv3d", out)
         xp = F.pad(x.float(), (0, 0, pad_lo[2], pad_hi[2], pad_lo[1], pad_hi[1], pad_lo[0], pad_hi[0]))
         y = F.conv3d(xp.permute(0, 4, 1, 2, 3), w.float().permute(0, 4, 1, 2, 3), b.float()).permute(0, 2, 3, 4, 1)
@@ -53,6 +69,7 @@ class EmulatedExtension:
         out.copy_(y)
 
     def subpixel_scatter(self, y, out) -> None:
+        _check_aligned(y=y, out=out)
         self._enter("subpixel_scatter", out)
         rows_plus_1, w_plus_1 = y.shape[1], y.shape[2]
         for a in (0, 1):
@@ -60,6 +77,7 @@ class EmulatedExtension:
                 out[:, a::2, c::2].copy_(y[:, a:a + rows_plus_1 - 1, c:c + w_plus_1 - 1, 2 * a + c])
 
     def rms_norm_silu(self, x, gamma, out, silu, eps) -> None:
+        _check_aligned(x=x, gamma=gamma, out=out)
         self._enter("rms_norm_silu", out)
         xf = x.float()
         y = xf / xf.norm(dim=-1, keepdim=True).clamp_min(eps) * gamma
@@ -75,6 +93,7 @@ class EmulatedExtension:
             raise RuntimeError("x must have unit channel stride and channels a multiple of 8")
         if not v.is_contiguous() or tuple(v.shape) != (16, frames, tiles_h * tiles_w, ci):
             raise RuntimeError(f"v must be a contiguous [16, {frames}, {tiles_h * tiles_w}, {ci}] tensor")
+        _check_aligned(x=x, v=v)
         self._enter("winograd_input_transform", v)
         xp = F.pad(x, (0, 0, 1, 2 * tiles_w + 1 - width, 0, 2 * tiles_h + 2 - rows))
         v.copy_(winograd.input_transform(xp, 2, v.dtype))
@@ -87,6 +106,7 @@ class EmulatedExtension:
             raise RuntimeError("v, u and m must be contiguous, m float32")
         if u_ci != ci or ci % 8 or co % 8 or tuple(m.shape) != (16, frames, tiles, co):
             raise RuntimeError(f"v {list(v.shape)}, u {list(u.shape)}, m {list(m.shape)} do not fit")
+        _check_aligned(v=v, u=u, m=m)
         self._enter("winograd_products", m)
         # The extension's U is K-major [kt, a^2, Co, Ci]; the products are rounding point 3's.
         m.copy_(winograd.winograd_products(v, u.transpose(-1, -2).contiguous()).view_as(m))
@@ -100,6 +120,7 @@ class EmulatedExtension:
             raise RuntimeError(f"m must be a contiguous [16, {frames}, {tiles_h * tiles_w}, {co}] tensor")
         if residual is not None and residual.shape != out.shape:
             raise RuntimeError("residual must have out's shape")
+        _check_aligned(m=m, b=b, out=out, residual=residual)
         self._enter("winograd_output_transform", out)
         y = winograd.output_transform(m.view(4, 4, frames, tiles_h, tiles_w, co), 2)[:, :rows, :width].add_(b)
         if residual is not None:

@@ -35,6 +35,14 @@ def _tma_ok(t: torch.Tensor | None) -> bool:
                          and all(s % 8 == 0 for s in t.stride()[:-1]))
 
 
+def _operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous, 16-byte aligned `dtype` tensor (the kernels' rule for weights, biases and gammas): t itself
+    if it is one, else a fresh copy (a view into a shared or memory-mapped buffer may start anywhere)."""
+    if t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
 class CompiledKernels:
     """The extension's functions as op-table entries; `fallbacks` counts the calls that ran the portable op."""
 
@@ -66,10 +74,10 @@ class CompiledKernels:
         if reason is not None:
             self._fallback("conv3d", reason)
             return ops.conv3d(x, w, b, out, residual)
-        b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
+        b = _operand(b, torch.float32)
         pad_lo, pad_hi = [0, 0, kw // 2], [0, 0, kw // 2]
         if co % 8 == 0:
-            self.ext.conv3d(x, w.contiguous(), b, out, residual, pad_lo, pad_hi)
+            self.ext.conv3d(x, _operand(w, torch.bfloat16), b, out, residual, pad_lo, pad_hi)
             return None
         # e.g. conv_out's 12 channels: compute 16 (zero filters), keep 12
         extra = 8 - co % 8
@@ -97,9 +105,9 @@ class CompiledKernels:
         if reason is not None:
             self._fallback("winograd_conv3d", reason)
             return winograd.conv3d_winograd(x.contiguous(), portable_u, b, out, residual, tile=2)
-        b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
+        b = _operand(b, torch.float32)
         if co % 8 == 0:
-            return self._winograd_bands(x, u.contiguous(), b, out, residual)
+            return self._winograd_bands(x, _operand(u, torch.bfloat16), b, out, residual)
         # e.g. conv_out's 12 channels: compute 16 (zero filters, zero residual channels), keep 12
         extra = 8 - co % 8
         wide = out.new_empty((*out.shape[:4], co + extra))
@@ -136,7 +144,7 @@ class CompiledKernels:
         if x.shape[-1] % 8 or x.shape[-1] > 2048 or not (_tma_ok(x) and _tma_ok(out)):
             self._fallback("rms_norm_silu", f"{x.shape[-1]} channels or an unaligned layout")
             return ops.rms_norm_silu(x, gamma, out, silu)
-        gamma = gamma if gamma.dtype == torch.float32 and gamma.is_contiguous() else gamma.float().contiguous()
+        gamma = _operand(gamma, torch.float32)
         self.ext.rms_norm_silu(x, gamma.reshape(-1), out, silu, ops.RMS_EPS)
         return None
 
@@ -153,7 +161,7 @@ class CompiledKernels:
             raise ValueError(f"out must be [{m}, {2 * (hi - 2)}, {2 * width}, {co}] for x {list(x.shape)}; "
                              f"got {list(out.shape)}")
         y = x.new_empty((m, 1, hi - 1, width + 1, 4 * co))
-        self.ext.conv3d(x.view(m, 1, hi, width, ci), w_sub.reshape(4 * co, 1, 2, 2, ci).contiguous(),
+        self.ext.conv3d(x.view(m, 1, hi, width, ci), _operand(w_sub.reshape(4 * co, 1, 2, 2, ci), torch.bfloat16),
                         self._bias_per_phase(b), y, None, [0, 0, 1], [0, 0, 1])
         self.ext.subpixel_scatter(y.view(m, hi - 1, width + 1, 4, co), out)
         return None

@@ -109,13 +109,49 @@ typename Conv::Arguments make_arguments(const Conv3dArgs& a) {
 
 size_t conv3d_workspace_size(const Conv3dArgs& a) { return Conv::get_workspace_size(make_arguments(a)); }
 
-const char* conv3d_bf16(const Conv3dArgs& a, void* workspace, cudaStream_t stream) {
+const char* conv3d_can_implement(const Conv3dArgs& a) {
   if (a.c % kAlign != 0 || a.k % kAlign != 0) return "conv3d: channel counts must be multiples of 8";
-  if (a.z() <= 0 || a.p() <= 0 || a.q() <= 0) return "conv3d: empty output";
-  auto args = make_arguments(a);
+  if (a.n < 1 || a.z() <= 0 || a.p() <= 0 || a.q() <= 0) return "conv3d: empty output";
+  if (Conv::can_implement(make_arguments(a)) != cutlass::Status::kSuccess)
+    return "conv3d: CUTLASS cannot implement this problem";
+  return nullptr;
+}
+
+namespace {
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The rules of cuTensorMapEncodeIm2col / cuTensorMapEncodeTiled for the descriptors initialize() encodes (x: im2col,
+// w, out, residual: tiled): 16-byte aligned addresses, strides that are multiples of 16 bytes and below 2^40 bytes.
+// CUTLASS checks the encode's result only by assert(), which the release build (-DNDEBUG) removes: a violation would
+// launch with a garbage descriptor and fault the context, so they are checked here instead.
+const char* tma_layout_error(const Conv3dArgs& a) {
+  if (!aligned16(a.x) || !aligned16(a.wgt) || !aligned16(a.bias) || !aligned16(a.out) ||
+      (a.residual != nullptr && !aligned16(a.residual)))
+    return "conv3d: x, w, b, out and residual must be 16-byte aligned (TMA descriptors)";
+  constexpr int64_t kMaxStrideBytes = int64_t(1) << 40;
+  const int64_t x_batch_bytes = int64_t(a.d) * a.h * a.w * a.c * 2;  // the largest of x's packed strides
+  const int64_t w_filter_bytes = int64_t(a.t) * a.r * a.s * a.c * 2;
+  if (x_batch_bytes >= kMaxStrideBytes || w_filter_bytes >= kMaxStrideBytes)
+    return "conv3d: x or w too large for a TMA descriptor (a stride of 2^40 bytes or more)";
+  for (int i = 0; i < 4; ++i) {
+    if (a.out_stride[i] <= 0 || a.out_stride[i] % kAlign != 0 || a.out_stride[i] * 2 >= kMaxStrideBytes)
+      return "conv3d: out's strides must be positive multiples of 8 elements below 2^39 (TMA descriptor)";
+    if (a.residual != nullptr &&
+        (a.residual_stride[i] <= 0 || a.residual_stride[i] % kAlign != 0 || a.residual_stride[i] * 2 >= kMaxStrideBytes))
+      return "conv3d: residual's strides must be positive multiples of 8 elements below 2^39 (TMA descriptor)";
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* conv3d_bf16(const Conv3dArgs& a, void* workspace, cudaStream_t stream) {
+  if (const char* error = conv3d_can_implement(a)) return error;
+  if (const char* error = tma_layout_error(a)) return error;
   Conv conv;
-  if (conv.can_implement(args) != cutlass::Status::kSuccess) return "conv3d: CUTLASS cannot implement this problem";
-  if (conv.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return "conv3d: CUTLASS initialize failed";
+  if (conv.initialize(make_arguments(a), workspace, stream) != cutlass::Status::kSuccess)
+    return "conv3d: CUTLASS initialize failed";
   if (conv.run(stream) != cutlass::Status::kSuccess) return "conv3d: CUTLASS kernel launch failed";
   return nullptr;
 }

@@ -10,10 +10,10 @@ namespace wan22 {
 // One 3D cross-correlation (PyTorch conv3d semantics, stride 1, no dilation) on channels-last bf16 tensors:
 //   x   [n, d, h, w, c]     contiguous
 //   wgt [k, t, r, s, c]     contiguous (KTRSC)
-//   out [n, z, p, q, k]     channel stride 1; the other strides are free (the sub-pixel upsample writes one phase of
-//                           an interleaved tensor through a strided view)
+//   out [n, z, p, q, k]     channel stride 1; the other strides are free multiples of 8 elements (a decoder conv
+//                           writes into the interior of a haloed window; the residual has its own strides)
 //   z = d + pad_lo[0] + pad_hi[0] - t + 1, and likewise p (rows) and q (width).
-// out = conv(x, wgt) + bias (fp32, [k]) (+ residual, same shape and strides as a contiguous out), fp32 accumulation.
+// out = conv(x, wgt) + bias (fp32, [k]) (+ residual, out's shape), fp32 accumulation. Every pointer is 16-byte aligned.
 struct Conv3dArgs {
   const void* x = nullptr;
   const void* wgt = nullptr;
@@ -36,6 +36,9 @@ struct Conv3dArgs {
 // Channel counts (c, k) must be multiples of 8 (16-byte TMA alignment of bf16 rows).
 size_t conv3d_workspace_size(const Conv3dArgs& args);
 const char* conv3d_bf16(const Conv3dArgs& args, void* workspace, cudaStream_t stream);
+// Host only (no pointer is read, no CUDA call): the checks of conv3d_bf16 on the problem's shape and CUTLASS's
+// can_implement of it, out_stride / residual_stride included.
+const char* conv3d_can_implement(const Conv3dArgs& args);
 
 // A channels-last activation viewed as [outer0, outer1, rows, c]: the (rows, c) slab is packed (row stride c), the
 // two outer dims (batch, frames) have free strides in elements, so a norm can write into the interior of a haloed
@@ -85,6 +88,9 @@ struct WinogradProductsArgs {
 
 size_t winograd_products_workspace_size(const WinogradProductsArgs& args);
 const char* winograd_products_bf16(const WinogradProductsArgs& args, void* workspace, cudaStream_t stream);
+// Host only (no pointer is read, no CUDA call): the checks of winograd_products_bf16 on the shape and CUTLASS's
+// can_implement of every tap's batched GEMM.
+const char* winograd_products_can_implement(const WinogradProductsArgs& args);
 
 // Y = A^T M A per tile in fp32, + bias [co] fp32, + residual (bf16, out's shape, own strides; data null: none),
 // rounded to bf16 once; rows and columns of the tile grid past out's are not stored. m: [16, frames, tiles, co].

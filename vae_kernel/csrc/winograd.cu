@@ -183,20 +183,32 @@ size_t winograd_products_workspace_size(const WinogradProductsArgs& a) {
   return Gemm::get_workspace_size(gemm_arguments(a, 0, sm_count, device));
 }
 
-const char* winograd_products_bf16(const WinogradProductsArgs& a, void* workspace, cudaStream_t stream) {
+const char* winograd_products_can_implement(const WinogradProductsArgs& a) {
   if (a.ci % 8 != 0 || a.co % 8 != 0) return "winograd_products: channel counts must be multiples of 8";
   if (a.kt < 1 || a.ti < a.kt || a.tiles < 1) return "winograd_products: empty problem";
   if (static_cast<int64_t>(a.ti - a.kt + 1) * a.tiles > 0x7fffffff) return "winograd_products: too many rows";
+  // The largest strides of the TMA descriptors (V's and M's component strides) stay below 2^40 bytes.
+  constexpr int64_t kMaxStrideBytes = int64_t(1) << 40;
+  if (int64_t(a.ti) * a.tiles * a.ci * 2 >= kMaxStrideBytes ||
+      int64_t(a.ti - a.kt + 1) * a.tiles * a.co * 4 >= kMaxStrideBytes)
+    return "winograd_products: too large for a TMA descriptor (a stride of 2^40 bytes or more)";
+  for (int tap = 0; tap < a.kt; ++tap)  // the arguments of the taps differ in pointers and beta, checked alike
+    if (Gemm::can_implement(gemm_arguments(a, tap, 0, 0)) != cutlass::Status::kSuccess)
+      return "winograd_products: CUTLASS cannot implement this problem";
+  return nullptr;
+}
+
+const char* winograd_products_bf16(const WinogradProductsArgs& a, void* workspace, cudaStream_t stream) {
+  if (const char* error = winograd_products_can_implement(a)) return error;
+  // Every tap's operands (V and U offset by whole 16-byte rows) are then aligned too: the TMA descriptors' rule,
+  // which CUTLASS's encode checks only by assert() (removed in the release build).
   if (!aligned16(a.v) || !aligned16(a.u) || !aligned16(a.m))
     return "winograd_products: tensors must be 16-byte aligned";
   int device = 0, sm_count = 0;
   if (!query_device(device, sm_count)) return "winograd_products: cannot query the current device";
   Gemm gemm;
   for (int tap = 0; tap < a.kt; ++tap) {  // the taps accumulate in fp32 through C = D
-    const auto args = gemm_arguments(a, tap, sm_count, device);
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-      return "winograd_products: CUTLASS cannot implement this problem";
-    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
+    if (gemm.initialize(gemm_arguments(a, tap, sm_count, device), workspace, stream) != cutlass::Status::kSuccess)
       return "winograd_products: CUTLASS initialize failed";
     if (gemm.run(stream) != cutlass::Status::kSuccess) return "winograd_products: CUTLASS kernel launch failed";
   }
