@@ -63,14 +63,14 @@ def test_a_failed_self_check_is_remembered_and_not_rerun_by_later_processes(tmp_
     assert first["children"] == 1, "the first process checks once (its second load is the process's memory)"
     assert all(failure in e for e in first["errors"]), first["errors"]
 
+    second, stderr = _load_twice(tmp_path, arch)
+    assert second["children"] == 0, "a later process ran the failing self-check again"
+
     monkeypatch.setenv(build.BUILD_DIR_ENV, str(tmp_path))
     verdict = verification.remembered_verdict(_ext(arch), CPU)
     assert verdict is not None and not verdict.ok and failure in verdict.failure
     assert verdict.path.parent == tmp_path / "verdicts"
     assert verification.remembered_verdict(_ext("emulated"), CPU) is None  # another build: nothing remembered
-
-    second, stderr = _load_twice(tmp_path, arch)
-    assert second["children"] == 0, "a later process ran the failing self-check again"
     for error in second["errors"]:
         assert error.startswith("remembered self-check verdict") and str(verdict.path) in error and failure in error
         assert "delete that file to check again" in error

@@ -99,8 +99,10 @@ class Verdict:
 def remembered_verdict(ext, device: torch.device | str, winograd: bool = False) -> Verdict | None:
     """The verdict remembered for `ext` on `device` (see the module notes), or None: none kept, unreadable, or kept
     where another user could have written it (`build.check_private`; such a verdict is not believed)."""
-    device = torch.device(device)
-    path = verdict_path(ext, device, winograd)
+    return _read_verdict(verdict_path(ext, torch.device(device), winograd))
+
+
+def _read_verdict(path: Path) -> Verdict | None:
     try:
         for checked in (path.parent.parent, path.parent, path):
             build.check_private(checked)
@@ -137,7 +139,8 @@ def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
     (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises CompiledUnavailable.
     A remembered verdict answers without the child: a pass returns its cases, a failure is raised again."""
     what = f"compiled kernels ({ext.arch()}{' + Winograd F(2x2)' if winograd else ''})"
-    remembered = remembered_verdict(ext, device, winograd)
+    path = verdict_path(ext, device, winograd)
+    remembered = _read_verdict(path)
     if remembered is not None and not remembered.ok:
         raise CompiledUnavailable(remembered.refusal())
     if remembered is not None:
@@ -148,9 +151,9 @@ def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
         results = _check_in_child(ext, device, winograd, timeout_s, what)
         judge(results, what, device)
     except CompiledUnavailable as exc:
-        _remember(verdict_path(ext, device, winograd), results, str(exc))
+        _remember(path, results, str(exc))
         raise
-    _remember(verdict_path(ext, device, winograd), results, "")
+    _remember(path, results, "")
     return results
 
 
