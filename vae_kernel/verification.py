@@ -5,7 +5,8 @@ GPU model, driver and torch, so later processes skip the child: a pass loads the
 with the remembered reason (`remembered_verdict`). A failed verdict holds while its key does, i.e. until the build
 (sources, flags, toolchain, package version), the GPU model, the driver or torch changes; deleting its file (named in
 the refusal), or the whole `verdicts/` folder, makes the next process check again. A crash or a timeout of the check
-is a failure like any other: it would happen again. Verdicts are this user's only (`build.check_private`): one that
+is a failure like any other: a faulting or hung kernel would fault or hang again (on a machine too loaded to finish
+the check in time, delete the file). Verdicts are this user's only (`build.check_private`): one that
 another user owns or could have written is not believed.
 
 The child is started with the package's own location first on its path, whatever the caller's working directory.
