@@ -6,6 +6,13 @@ The layout under the root (`$WAN22_VAE_DECODE_BUILD_DIR`, default `~/.cache/fast
     build/<name>-<key>-<pid>-<uuid>/   one private ninja build directory per building process
     bad/                        entries that failed their manifest check, moved aside for inspection
     locks/<name>-<key>.lock     flock; only saves duplicate work
+    verdicts/                   the self-checks' verdicts (`verification.py`)
+
+Trust: the cache runs only native code this user built. Every folder is created private (0700), every file it writes
+is this user's only (0600; the module 0700), and nothing is loaded, believed or waited on from a folder or file that
+another user owns or that is group- or world-writable (`check_private`): such an entry is moved aside and rebuilt;
+such a root or folder (a shared `$WAN22_VAE_DECODE_BUILD_DIR`, a group-writable home cache) is not used at all: the
+build runs in a fresh private temporary directory, with one warning saying why.
 
 The key hashes everything that changes the binary (sources and headers, flags, arch list, compiler versions, torch /
 CUDA / Python versions, and the spec's `key_extras`: for the decoder, the CUTLASS and package versions). A build is
@@ -49,6 +56,50 @@ DEFAULT_LOCK_TIMEOUT_S = 1800.0
 
 class BuildError(RuntimeError):
     """The compiler failed; the message carries the end of its log."""
+
+
+class UntrustedCache(RuntimeError):
+    """A cache folder or file that another user owns or can write: nothing in or from it is loaded or believed."""
+
+
+def check_private(path: Path, st: os.stat_result | None = None) -> None:
+    """Raise UntrustedCache unless `path` (or its already taken `st`) is this user's and nobody else can write it;
+    FileNotFoundError where it does not exist."""
+    st = os.stat(path) if st is None else st
+    if st.st_uid != os.geteuid():
+        raise UntrustedCache(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UntrustedCache(f"{path} is group- or world-writable (mode {oct(st.st_mode & 0o7777)})")
+
+
+def private_folder(root: Path, name: str | None = None) -> Path:
+    """`root` (or `root/name`), each created private (0700) where missing, then checked (`check_private`): the
+    folders the cache keeps anything in. OSError where a missing one cannot be created (a read-only cache)."""
+    folders = [root] if name is None else [root, root / name]
+    for folder in folders:
+        try:
+            folder.mkdir(mode=0o700, parents=folder is root)
+        except OSError:
+            if not folder.is_dir():
+                raise
+        check_private(folder)
+    return folders[-1]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace `path` atomically by a file only this user can read or write."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +220,14 @@ def _module_file(name: str) -> str:
 
 
 def verify_entry(entry: Path, name: str, key: str) -> str | None:
-    """None when `entry` is a complete, untampered build of `name` under `key`; otherwise what is wrong."""
+    """None when `entry` is a complete, untampered build of `name` under `key`, and this user's only
+    (`check_private`: the entry, its manifest and every file it lists); otherwise what is wrong."""
     try:
+        check_private(entry)
+        check_private(entry / MANIFEST)
         manifest = json.loads((entry / MANIFEST).read_text())
+    except UntrustedCache as exc:
+        return str(exc)
     except FileNotFoundError:
         return "manifest missing"
     except (OSError, ValueError) as exc:
@@ -184,9 +240,14 @@ def verify_entry(entry: Path, name: str, key: str) -> str | None:
     for filename, expected in files.items():
         path = entry / filename
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             return f"{filename} missing"
+        try:
+            check_private(path, st)
+        except UntrustedCache as exc:
+            return str(exc)
+        size = st.st_size
         if size != expected.get("size") or _sha256_file(path) != expected.get("sha256"):
             return f"{filename} does not match its manifest (truncated or modified)"
     return None
@@ -196,7 +257,7 @@ def _move_aside(root: Path, entry: Path, reason: str) -> None:
     bad = root / "bad" / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     logger.warning("build cache entry %s is bad (%s); moving it to %s and rebuilding", entry, reason, bad)
     try:
-        bad.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(root, "bad")
         os.rename(entry, bad)
     except FileNotFoundError:
         pass  # another process moved it first
@@ -220,12 +281,14 @@ def _publish(root: Path, entry: Path, built: Path, spec: ExtensionSpec, key: str
              seconds: float) -> None:
     """Copy a finished build into a staging directory and rename it into place (atomic; the loser discards)."""
     staging = root / "cache" / f".staging-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
+    staging.mkdir(mode=0o700)
     try:
         target = staging / _module_file(spec.name)
         shutil.copyfile(built, target)
         shutil.copyfile(built.parent / BUILD_LOG, staging / BUILD_LOG)  # the compiler's report (ptxas -v, warnings)
         files = (target, staging / BUILD_LOG)
+        os.chmod(target, 0o700)  # this user's only, whatever the umask (check_private)
+        os.chmod(staging / BUILD_LOG, 0o600)
         manifest = {
             "name": spec.name,
             "key": key,
@@ -234,8 +297,8 @@ def _publish(root: Path, entry: Path, built: Path, spec: ExtensionSpec, key: str
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "inputs": inputs,
         }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        for path in (*files, staging / MANIFEST):
+        write_private(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        for path in files:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         try:
@@ -251,11 +314,17 @@ def _publish(root: Path, entry: Path, built: Path, spec: ExtensionSpec, key: str
 @contextlib.contextmanager
 def _build_lock(root: Path, entry: Path, timeout_s: float) -> Iterator[None]:
     """Hold an flock while building, to avoid duplicate work. Gives up (and builds anyway) after `timeout_s`,
-    and returns early once the entry appears. The kernel releases an flock when its holder dies."""
-    lock_path = root / "locks" / f"{entry.name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    and returns early once the entry appears. The kernel releases an flock when its holder dies. A lock file that
+    is not this user's only is not waited on (another user must not be able to stall the build)."""
+    lock_path = private_folder(root, "locks") / f"{entry.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
+        try:
+            check_private(lock_path, os.fstat(fd))
+        except UntrustedCache as exc:
+            logger.warning("not waiting on the build lock: %s; building without it", exc)
+            yield
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -314,9 +383,10 @@ def _die_with_parent() -> None:
 
 
 def _writable(root: Path) -> bool:
+    """Whether builds can be published under `root` (UntrustedCache where a folder is not this user's only)."""
     try:
         for sub in ("cache", "build"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
+            private_folder(root, sub)
         probe = root / "cache" / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.mkdir()
         probe.rmdir()
@@ -333,15 +403,29 @@ def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *
     key = _key(inputs)
     entry = root / "cache" / f"{spec.name}-{key}"
 
-    if not _writable(root):
-        if entry.is_dir() and verify_entry(entry, spec.name, key) is None:
-            return _import_module(spec.name, entry / _module_file(spec.name))
-        warnings.warn(f"build cache {root} is not writable; building {spec.name} in a private temporary directory "
-                      f"(set ${BUILD_DIR_ENV} to a writable directory to keep builds)", RuntimeWarning, stacklevel=2)
-        private = Path(tempfile.mkdtemp(prefix=f"{spec.name}-{key}-"))
-        built = _timed_build(spec, private, timeout_s)
-        return _import_module(spec.name, built)
+    try:
+        if not _writable(root):
+            with contextlib.suppress(FileNotFoundError):  # a good entry of a private read-only cache still loads
+                for folder in (root, root / "cache"):
+                    check_private(folder)
+                if entry.is_dir() and verify_entry(entry, spec.name, key) is None:
+                    return _import_module(spec.name, entry / _module_file(spec.name))
+            return _private_build(spec, key, timeout_s, f"build cache {root} is not writable")
+        return _load_or_build(root, entry, spec, key, inputs, lock, lock_timeout_s, timeout_s)
+    except UntrustedCache as exc:
+        return _private_build(spec, key, timeout_s, f"build cache {root} is not private ({exc})")
 
+
+def _private_build(spec: ExtensionSpec, key: str, timeout_s: float | None, why: str):
+    """Build in a fresh private temporary directory (not kept), saying `why` in one warning line."""
+    warnings.warn(f"{why}; building {spec.name} in a private temporary directory (set ${BUILD_DIR_ENV} to a "
+                  f"private, writable folder to keep builds)", RuntimeWarning, stacklevel=3)
+    private = Path(tempfile.mkdtemp(prefix=f"{spec.name}-{key}-"))
+    return _import_module(spec.name, _timed_build(spec, private, timeout_s))
+
+
+def _load_or_build(root: Path, entry: Path, spec: ExtensionSpec, key: str, inputs: dict, lock: bool,
+                   lock_timeout_s: float, timeout_s: float | None):
     for _attempt in range(2):
         if entry.is_dir():
             problem = verify_entry(entry, spec.name, key)
@@ -352,8 +436,8 @@ def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *
         with lock_cm:
             if entry.is_dir() and verify_entry(entry, spec.name, key) is None:
                 continue  # published while we waited
-            private = root / "build" / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            private.mkdir(parents=True)
+            private = private_folder(root, "build") / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            private.mkdir(mode=0o700)
             start = time.monotonic()
             built = _timed_build(spec, private, timeout_s)
             _publish(root, entry, built, spec, key, inputs, time.monotonic() - start)

@@ -3,7 +3,8 @@
     table = loader.load_ops(device)    # an ops.Ops, or CompiledUnavailable (a RuntimeError) saying why not
 
 A failure (no GPU, no kernels for its architecture, no toolchain, a failed build or self-check) is remembered for the
-process and device: the same exception again, without rebuilding. "auto" callers catch it and use the portable path
+process and device: the same exception again, without rebuilding. A failed self-check of a built extension is also
+remembered across processes (`verification.remembered_verdict`): later processes refuse it without checking again. "auto" callers catch it and use the portable path
 (`backends.select_ops`, or `load_ops_or_none` with a warning); "cuda" callers let it propagate.
 """
 

@@ -1,19 +1,26 @@
 """Verifying a built extension on its GPU before anything decodes with it: the self-check runs in a child process, so
 a kernel that faults (a sticky CUDA error poisons a process's context) cannot take the caller's context, and with it
-the portable fallback, down. A passing verdict is remembered in the build cache (`verdicts/`), per build, GPU model,
-driver and torch, so later processes skip the child.
+the portable fallback, down. The verdict, pass or failure, is remembered in the build cache (`verdicts/`), per build,
+GPU model, driver and torch, so later processes skip the child: a pass loads the table, a failure refuses it again
+with the remembered reason (`remembered_verdict`). A failed verdict holds while its key does, i.e. until the build
+(sources, flags, toolchain, package version), the GPU model, the driver or torch changes; deleting its file (named in
+the refusal), or the whole `verdicts/` folder, makes the next process check again. A crash or a timeout of the check
+is a failure like any other: a faulting or hung kernel would fault or hang again (on a machine too loaded to finish
+the check in time, delete the file). Verdicts are this user's only (`build.check_private`): one that
+another user owns or could have written is not believed.
 
 The child is started with the package's own location first on its path, whatever the caller's working directory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,9 +67,9 @@ def verify_ops(table: Ops, device: torch.device) -> None:
     judge(self_check(table, device), f"op table {table.name}", device)
 
 
-def _verdict_file(ext, device: torch.device, winograd: bool) -> Path:
-    """Where a passing verdict is kept: under the build cache, keyed by the extension (a built module's file names
-    its build key), the device model, its driver and torch."""
+def verdict_path(ext, device: torch.device, winograd: bool = False) -> Path:
+    """Where the verdict of `ext`'s self-check on `device` is kept: under the build cache, keyed by the extension (a
+    built module's file names its build key), the device model, its driver and torch."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         device_id = [props.name, list(torch.cuda.get_device_capability(device)), driver_version()]
@@ -73,39 +80,96 @@ def _verdict_file(ext, device: torch.device, winograd: bool) -> Path:
     return build.default_root() / "verdicts" / f"selfcheck-{key}.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A remembered self-check verdict: passed or not, its cases (none where the check crashed or timed out), the
+    failure as it was raised (empty for a pass), when it was reached and the file it is kept in."""
+
+    ok: bool
+    results: tuple[CaseResult, ...]
+    failure: str
+    created: str
+    path: Path
+
+    def refusal(self) -> str:
+        """Why the compiled backend is refused, naming the remembered failure and how to check again."""
+        return (f"remembered self-check verdict ({self.created}, {self.path}; delete that file to check again): "
+                f"{self.failure}")
+
+
+def remembered_verdict(ext, device: torch.device | str, winograd: bool = False) -> Verdict | None:
+    """The verdict remembered for `ext` on `device` (see the module notes), or None: none kept, unreadable, or kept
+    where another user could have written it (`build.check_private`; such a verdict is not believed)."""
+    return _read_verdict(verdict_path(ext, torch.device(device), winograd))
+
+
+def _read_verdict(path: Path) -> Verdict | None:
+    try:
+        for checked in (path.parent.parent, path.parent, path):
+            build.check_private(checked)
+        data = json.loads(path.read_text())
+        verdict = Verdict(ok=data["ok"] is True, results=tuple(CaseResult.from_json(r) for r in data["results"]),
+                          failure=str(data["failure"]), created=str(data["created"]), path=path)
+    except FileNotFoundError:
+        return None
+    except build.UntrustedCache as exc:
+        logger.warning("not believing the self-check verdict %s: %s", path, exc)
+        return None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # unreadable (or another version's format): check again
+    if verdict.ok and not (verdict.results and all(r.ok for r in verdict.results)):
+        return None  # a pass must show passing cases
+    return verdict
+
+
+def _remember(path: Path, results: list[CaseResult], failure: str) -> None:
+    """Keep a verdict (atomically, this user's only); a cache that is read-only or not private only means checking
+    again next time."""
+    data = {"ok": not failure, "results": [r.to_json() for r in results], "failure": failure,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        build.private_folder(path.parent.parent, path.parent.name)
+        build.write_private(path, json.dumps(data))
+    except (OSError, build.UntrustedCache) as exc:
+        logger.warning("the self-check verdict is not remembered (%s)", exc)
+
+
 def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
                           timeout_s: float = SELF_CHECK_TIMEOUT_S) -> list[CaseResult]:
     """Self-check the built extension's op table on `device` in a child process (see the module notes), with its
-    (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises CompiledUnavailable."""
-    arch = ext.arch() + (" + Winograd F(2x2)" if winograd else "")
-    verdict = _verdict_file(ext, device, winograd)
-    if verdict.is_file():
-        try:
-            results = [CaseResult.from_json(r) for r in json.loads(verdict.read_text())]
-            judge(results, f"compiled kernels ({arch}, remembered verdict)", device)
-            return results
-        except (ValueError, TypeError, KeyError, CompiledUnavailable):
-            pass  # unreadable or failing: check again
+    (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises CompiledUnavailable.
+    A remembered verdict answers without the child: a pass returns its cases, a failure is raised again."""
+    what = f"compiled kernels ({ext.arch()}{' + Winograd F(2x2)' if winograd else ''})"
+    path = verdict_path(ext, device, winograd)
+    remembered = _read_verdict(path)
+    if remembered is not None and not remembered.ok:
+        raise CompiledUnavailable(remembered.refusal())
+    if remembered is not None:
+        judge(list(remembered.results), f"{what}, remembered verdict", device)
+        return list(remembered.results)
+    results: list[CaseResult] = []
+    try:
+        results = _check_in_child(ext, device, winograd, timeout_s, what)
+        judge(results, what, device)
+    except CompiledUnavailable as exc:
+        _remember(path, results, str(exc))
+        raise
+    _remember(path, results, "")
+    return results
+
+
+def _check_in_child(ext, device: torch.device, winograd: bool, timeout_s: float, what: str) -> list[CaseResult]:
     try:
         done = subprocess.run(child_command(__name__, str(device), ext.arch(), str(int(winograd))),
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        raise CompiledUnavailable(f"the self-check of the compiled kernels on {device} did not finish in "
+        raise CompiledUnavailable(f"the self-check of the {what} on {device} did not finish in "
                                   f"{timeout_s:.0f} s") from exc
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_TAG)]
     if done.returncode != 0 or not lines:
-        raise CompiledUnavailable(f"the self-check of the compiled kernels ({arch}) on {device} crashed "
+        raise CompiledUnavailable(f"the self-check of the {what} on {device} crashed "
                                   f"(exit {done.returncode}):\n{done.stderr[-3000:]}")
-    results = [CaseResult.from_json(r) for r in json.loads(lines[-1][len(_RESULT_TAG):])]
-    judge(results, f"compiled kernels ({arch})", device)
-    try:  # remember the pass (atomically); a read-only cache only means checking again next time
-        verdict.parent.mkdir(parents=True, exist_ok=True)
-        tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([r.to_json() for r in results]))
-        os.replace(tmp, verdict)
-    except OSError:
-        pass
-    return results
+    return [CaseResult.from_json(r) for r in json.loads(lines[-1][len(_RESULT_TAG):])]
 
 
 def child_main(argv: list[str]) -> None:
