@@ -10,13 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from fastvideo.api.presets import InferencePreset, PresetStageSpec
-from fastvideo.api.sampling_param import SamplingParam
-from fastvideo.configs.pipelines.wan import Wan2_2_TI2V_5B_Config
-
-from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.integration import adapter
 from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
-from fastvideo_pan2_ext.vae_kernel.architecture import latent_frames
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames
 from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
 
 
@@ -31,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
+class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
     """Wan2.2-TI2V-5B's config plus PAN2's decoder switches.
 
     vae_decode_kernel: decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this rank) instead of FastVideo's
@@ -63,9 +59,6 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # A PAN2 config is made in the process that starts FastVideo's workers: decide FA4 here, so they inherit it
-        # before anything of FastVideo's is imported in them.
-        apply_fa4_policy()
         self.check_vae_options()
         if self.vae_tiling:
             logger.warning("vae_tiling=True changes nothing for PAN2 in FastVideo 0.2.1: its Wan VAE ignores tiling "
@@ -112,7 +105,7 @@ def check_videos_per_request(num_videos_per_prompt) -> None:
 
 
 @dataclass
-class PAN2SamplingParam(SamplingParam):
+class PAN2SamplingParam(adapter.symbol("SamplingParam")):
     """PAN2's sampling defaults (the same values as the ``pan2`` preset)."""
 
     height: int = DEFAULT_HEIGHT
@@ -123,13 +116,13 @@ class PAN2SamplingParam(SamplingParam):
     num_inference_steps: int = DEFAULT_NUM_INFERENCE_STEPS
 
 
-PAN2_PRESET = InferencePreset(
+PAN2_PRESET = adapter.symbol("InferencePreset")(
     name=PRESET_NAME,
     version=1,
     model_family=MODEL_FAMILY,
     description="PAN2 image-to-video (Wan2.2-TI2V-5B class), 704x1248 @ 24 fps, 121 frames",
     workload_type="i2v",
-    stage_schemas=(PresetStageSpec(name="denoise", kind="denoising", description="PAN2 denoising",
+    stage_schemas=(adapter.symbol("PresetStageSpec")(name="denoise", kind="denoising", description="PAN2 denoising",
                                    allowed_overrides=frozenset({"num_inference_steps", "guidance_scale"})), ),
     defaults={
         "height": DEFAULT_HEIGHT,

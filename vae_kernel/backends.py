@@ -7,10 +7,9 @@ import logging
 
 import torch
 
-from . import winograd
-from .extension import CompiledUnavailable
-from .loader import load_ops
-from .ops import TORCH_OPS, Ops
+from .portable import winograd
+from .compiled import CompiledUnavailable, load_ops
+from .portable.ops import TORCH_OPS, Ops
 
 logger = logging.getLogger(__name__)
 

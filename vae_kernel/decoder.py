@@ -16,13 +16,13 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import memory
-from . import weights as weights_mod
-from .agreement import DecodeRequest, agree, supported_dtype
-from .architecture import check_latents, video_shape
+from .planning import memory
+from .portable import weights as weights_mod
+from .distributed.agreement import DecodeRequest, agree, supported_dtype
+from .definitions.architecture import check_latents, video_shape
 from .backends import select_ops
-from .bands import LocalRows, RankRows, split_rows
-from .passes import Chunk, PassRunner, collect
+from .distributed.bands import LocalRows, RankRows, split_rows
+from .portable.passes import Chunk, PassRunner, collect
 
 
 def _resolve_device(device) -> torch.device:

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         timings.append(("tiny checkpoint: " + ("made" if made else "from cache"), time.perf_counter() - t))
 
     t = time.perf_counter()
-    from fastvideo import VideoGenerator
+    from fastvideo_pan2_ext.integration import adapter
+
+    VideoGenerator = adapter.symbol("VideoGenerator")
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
 

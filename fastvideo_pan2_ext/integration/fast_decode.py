@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.vae_kernel.architecture import video_shape
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import video_shape
 from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
 
 from . import adapter
