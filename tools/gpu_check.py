@@ -60,7 +60,8 @@ from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification# noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder, parse_frames_per_pass  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
@@ -748,7 +749,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=480.0,
                         help="seconds for the whole check; steps that no longer fit are skipped (default 480: one "
                              "600 s device command with 120 s to spare)")
-    parser.add_argument("--frames-per-pass", type=parse_frames_per_pass, default="auto",
+    parser.add_argument("--frames-per-pass", type=argparse_type("frames_per_pass"), default="auto",
                         help="the timed decodes' setting (default: auto, the product's default)")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip (build, timing, memory, ...)")
     parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
