@@ -63,6 +63,15 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
                            "correctly). For bounded decode memory use vae_decode_kernel=True with "
                            "vae_decode_max_memory or vae_decode_tile_rows (exact tiles).")
 
+    def update_pipeline_config(self, source_pipeline_dict: dict) -> None:
+        """FastVideo's update from a pipeline config file (`pipeline_config_path`), which sets dataclass fields only:
+        PAN2's switches (views, not fields) too."""
+        switches = {name: source_pipeline_dict[name] for name in PAN2_FIELDS if name in source_pipeline_dict}
+        super().update_pipeline_config({k: v for k, v in source_pipeline_dict.items() if k not in switches})
+        for name, value in switches.items():
+            setattr(self, name, value)
+        self.check_vae_options()
+
     def check_vae_options(self) -> None:
         """ValueError naming the first bad decoder switch (as PAN2 calls it), or a Wan VAE mode PAN2 cannot use. Run
         at construction, by the parent before a request and by the decoding stage: FastVideo may set fields after

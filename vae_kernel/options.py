@@ -136,7 +136,7 @@ def argparse_type(name: str) -> Callable[[str], Any]:
     def parse(text: str):
         value = option.from_text(text)
         try:
-            option.check("--" + option.name.replace("_", "-"), value)
+            option.check(option.name, value)  # argparse names the flag before the message
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value

@@ -53,6 +53,9 @@ FA4_READERS = (
 SEAMS = (
     Seam("fastvideo.configs.pipelines.wan", "Wan2_2_TI2V_5B_Config", "PAN2's pipeline config is Wan2.2-TI2V-5B's",
          name="Wan2_2_TI2V_5B_Config"),
+    Seam("fastvideo.configs.pipelines.base", "PipelineConfig.update_pipeline_config", "a pipeline config file sets "
+         "dataclass fields only: PAN2's config extends it to its switches (views of vae_config)",
+         mentions="fields(self)"),
     Seam("fastvideo.api.sampling_param", "SamplingParam", "PAN2's sampling defaults", name="SamplingParam"),
     Seam("fastvideo.api.presets", "InferencePreset", "the pan2 preset", name="InferencePreset"),
     Seam("fastvideo.api.presets", "PresetStageSpec", "the pan2 preset's denoising stage", name="PresetStageSpec"),
