@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, check_latents, decoder_state_dict, infer_config
-from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, check_latents, decoder_state_dict, infer_config
+from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32
 
 # Frames of history a causal 3x3x3 conv needs (its time kernel is 3, padded 2 before, 0 after).
 CACHE_T = 2

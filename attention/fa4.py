@@ -2,12 +2,12 @@
 
 FastVideo 0.2.1 uses FA4 (``flash_attn.cute``) only with ``FASTVIDEO_FA4=1``, and reads that variable once per
 process, when its flash-attention modules are first imported (which happens while the pipeline loads the DiT). PAN2
-wants FA4 where it is the fastest correct choice: on sm_100 (Blackwell) or newer with FA4 installed. An explicit
+wants FA4 where it is the fastest correct choice: on datacenter Blackwell (sm_100, sm_103) with FA4 installed. An explicit
 ``FASTVIDEO_FA4`` is the user's choice and is always respected; it must be ``0`` or ``1`` (FastVideo itself reads
 any value but ``0`` as on, so a typo would silently turn FA4 on: refused instead).
 
-The policy runs in the parent before workers start (they inherit the environment) and again in each worker before
-the DiT loads (`PAN2Pipeline.__init__`). Only FastVideo's platform-independent pieces and the standard library are
+The policy runs where FastVideo's attention is about to be chosen: in `PAN2Pipeline.__init__`, in each process that
+builds the pipeline, before the DiT loads (building a config changes nothing). Only FastVideo's platform-independent pieces and the standard library are
 used; torch only to read the device capability.
 """
 
@@ -22,13 +22,9 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "FASTVIDEO_FA4"
 ACCEPTED_VALUES = ("0", "1")
-MIN_CAPABILITY = (10, 0)  # sm_100: datacenter Blackwell and newer
-# FastVideo modules that read FASTVIDEO_FA4 when they are imported; once one is loaded, this process's choice is made.
-FA4_READERS = (
-    "fastvideo.attention.backends.flash_attn",
-    "fastvideo.attention.utils.flash_attn_default",
-    "fastvideo.attention.utils.flash_attn_no_pad",
-)
+# FA4's kernels target datacenter Blackwell: sm_100 (B200, GB200) and sm_103 (B300, GB300). Not sm_120 (the
+# RTX 50 series), whose tensor cores have no tcgen05.
+FA4_CAPABILITIES = ((10, 0), (10, 3))
 
 
 def _current_capability() -> tuple[int, int] | None:
@@ -49,7 +45,8 @@ def fa4_importable() -> bool:
 
 
 def fa4_decision(capability=None, environ=None) -> bool:
-    """Would PAN2 turn FA4 on? True iff the device is sm_100 or newer, `flash_attn.cute` imports, and
+    """Would PAN2 turn FA4 on? True iff the device is datacenter Blackwell
+    (`FA4_CAPABILITIES`: sm_100, sm_103), `flash_attn.cute` imports, and
     ``FASTVIDEO_FA4`` is unset. `capability` is (major, minor) (default: the current CUDA device's; no device ->
     False); `environ` defaults to ``os.environ``. Changes nothing."""
     environ = os.environ if environ is None else environ
@@ -63,7 +60,7 @@ def fa4_decision(capability=None, environ=None) -> bool:
     if (not isinstance(capability, (tuple, list)) or len(capability) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in capability)):
         raise ValueError(f"capability must be a (major, minor) pair of ints; got {capability!r}")
-    if tuple(capability) < MIN_CAPABILITY:
+    if tuple(capability) not in FA4_CAPABILITIES:
         return False
     return fa4_importable()
 
@@ -76,6 +73,8 @@ def check_env_value(value: str) -> None:
 
 
 def loaded_fa4_readers() -> list[str]:
+    from fastvideo_pan2_ext.integration.adapter import FA4_READERS  # noqa: PLC0415 - FastVideo's names: the seam
+
     return [name for name in FA4_READERS if name in sys.modules]
 
 

@@ -7,17 +7,14 @@ defaults: a `SamplingParam` subclass and an `InferencePreset`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 from dataclasses import dataclass
 
-from fastvideo.api.presets import InferencePreset, PresetStageSpec
-from fastvideo.api.sampling_param import SamplingParam
-from fastvideo.configs.pipelines.wan import Wan2_2_TI2V_5B_Config
-
-from fastvideo_pan2_ext.attention import apply_fa4_policy
+from fastvideo_pan2_ext.integration import adapter, fast_decode
 from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
-from fastvideo_pan2_ext.vae_kernel.architecture import latent_frames
-from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames
 
 
 DEFAULT_HEIGHT = 704
@@ -31,17 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
-    """Wan2.2-TI2V-5B's config plus PAN2's decoder switches.
+class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
+    """Wan2.2-TI2V-5B's config plus PAN2's decoder switches, each a view of its Wan VAE config (`PAN2_SWITCHES`):
 
-    vae_decode_kernel: decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this rank) instead of FastVideo's
-        own Wan VAE decode. When a request only saves the video, the frames are then written to the mp4 as they are
-        decoded (`fastvideo_pan2_ext.integration.streamed_save`).
-    vae_frames_per_pass: latent frames the fast decoder processes per pass (memory vs speed; same video); "auto"
-        (default): the largest of 8, 4, 2, 1 that fits the free device memory and 16 GiB (see `WanVAEDecoder`).
-    vae_decode_tile_rows: decode in exact tiles of this many latent rows (fast decoder only; same video, less memory).
-    vae_decode_max_memory: or let the fast decoder pick the largest tile whose working memory fits this budget
-        (bytes, or a string such as "8GiB").
+    vae_decode_kernel (`vae_config.decode_kernel`): decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this
+        rank) instead of FastVideo's own Wan VAE decode. When a request only saves the video, the frames are then
+        written to the mp4 as they are decoded (`fastvideo_pan2_ext.integration.streamed_save`).
+    vae_decode_<option> (`vae_config.decode_<option>`), one per decoder option (`vae_kernel.options.OPTIONS`):
+        vae_decode_frames_per_pass ("auto" by default), vae_decode_tile_rows, vae_decode_max_memory,
+        vae_decode_backend, vae_decode_conv_algorithm. `vae_frames_per_pass` is the deprecated name of
+        vae_decode_frames_per_pass.
 
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
     (measured; `tests/test_pipeline_decode_routes.py`):
@@ -56,16 +52,10 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
       batch elements one after another anyway (what diffusers' `enable_slicing()` does).
     """
 
-    vae_decode_kernel: bool = False
-    vae_frames_per_pass: int | str = "auto"
-    vae_decode_tile_rows: int | None = None
-    vae_decode_max_memory: int | str | None = None
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        # A PAN2 config is made in the process that starts FastVideo's workers: decide FA4 here, so they inherit it
-        # before anything of FastVideo's is imported in them.
-        apply_fa4_policy()
+        for name, value in self.__dict__.pop("_switches_at_init", {}).items():
+            setattr(self, name, value)  # the views: into vae_config
         self.check_vae_options()
         if self.vae_tiling:
             logger.warning("vae_tiling=True changes nothing for PAN2 in FastVideo 0.2.1: its Wan VAE ignores tiling "
@@ -73,28 +63,60 @@ class PAN2PipelineConfig(Wan2_2_TI2V_5B_Config):
                            "correctly). For bounded decode memory use vae_decode_kernel=True with "
                            "vae_decode_max_memory or vae_decode_tile_rows (exact tiles).")
 
+    def update_pipeline_config(self, source_pipeline_dict: dict) -> None:
+        """FastVideo's update from a pipeline config file (`pipeline_config_path`), which sets dataclass fields only:
+        PAN2's switches (views, not fields) too."""
+        switches = {name: source_pipeline_dict[name] for name in PAN2_FIELDS if name in source_pipeline_dict}
+        super().update_pipeline_config({k: v for k, v in source_pipeline_dict.items() if k not in switches})
+        for name, value in switches.items():
+            setattr(self, name, value)
+        self.check_vae_options()
+
     def check_vae_options(self) -> None:
-        """ValueError naming the first bad decoder option; then PAN2's switch and options, when they changed since
-        the last call, become the Wan VAE config's (`vae_config.decode_kernel` and its options: the one switch
-        FastVideo's Wan VAE obeys), so a `vae_config.decode_kernel` set directly stays set. Also run by the parent
-        before a request and by the decoding stage: FastVideo may set fields after construction."""
-        values = (self.vae_decode_kernel, self.vae_frames_per_pass, self.vae_decode_tile_rows,
-                  self.vae_decode_max_memory)
-        check_decode_options(*values[1:], values[0], PAN2_NAMES)
-        if values != getattr(self, "_vae_options_synced", None):
-            vae = self.vae_config
-            vae.decode_kernel, vae.decode_frames_per_pass, vae.decode_tile_rows, vae.decode_max_memory = values
-            self._vae_options_synced = values
+        """ValueError naming the first bad decoder switch (as PAN2 calls it), or a Wan VAE mode PAN2 cannot use. Run
+        at construction, by the parent before a request and by the decoding stage: FastVideo may set fields after
+        construction."""
+        fast_decode.options(self.vae_config, prefix="vae_")
         if not getattr(self.vae_config, "use_feature_cache", True):
             raise ValueError("vae_config.use_feature_cache=False is not supported for PAN2: FastVideo 0.2.1's tiled "
                              "Wan VAE paths do not patchify/unpatchify a Wan2.2 VAE (wrong video or a crash). For "
                              "bounded decode memory use vae_decode_kernel=True with vae_decode_max_memory.")
 
 
-# PAN2's own fields (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides: the switch and the
-# options, in `check_decode_options`' order.
-PAN2_FIELDS = PAN2_NAMES = ("vae_decode_kernel", "vae_frames_per_pass", "vae_decode_tile_rows",
-                            "vae_decode_max_memory")
+# PAN2's switches (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides: name -> the Wan VAE
+# config field it is a view of.
+PAN2_SWITCHES = {f"vae_{field}": field for field in fast_decode.CONFIG_FIELDS}
+DEPRECATED_SWITCHES = {"vae_frames_per_pass": "vae_decode_frames_per_pass"}
+PAN2_FIELDS = (*PAN2_SWITCHES, *DEPRECATED_SWITCHES)
+
+
+def _switch_view(name: str) -> property:
+    field = PAN2_SWITCHES[DEPRECATED_SWITCHES.get(name, name)]
+
+    def get(self):
+        return getattr(self.vae_config, field)
+
+    def set_(self, value):
+        if name in DEPRECATED_SWITCHES:
+            warnings.warn(f"{name} is deprecated: use {DEPRECATED_SWITCHES[name]}", DeprecationWarning, stacklevel=2)
+        setattr(self.vae_config, field, value)
+
+    return property(get, set_, doc=f"A view of vae_config.{field}.")
+
+
+def _switches_at_construction(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        switches = {name: kwargs.pop(name) for name in list(kwargs) if name in PAN2_FIELDS}
+        self._switches_at_init = switches  # set by __post_init__, before its checks
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+for _name in PAN2_FIELDS:
+    setattr(PAN2PipelineConfig, _name, _switch_view(_name))
+PAN2PipelineConfig.__init__ = _switches_at_construction(PAN2PipelineConfig.__init__)
 
 
 def check_frame_count(num_frames) -> None:
@@ -112,7 +134,7 @@ def check_videos_per_request(num_videos_per_prompt) -> None:
 
 
 @dataclass
-class PAN2SamplingParam(SamplingParam):
+class PAN2SamplingParam(adapter.symbol("SamplingParam")):
     """PAN2's sampling defaults (the same values as the ``pan2`` preset)."""
 
     height: int = DEFAULT_HEIGHT
@@ -123,13 +145,13 @@ class PAN2SamplingParam(SamplingParam):
     num_inference_steps: int = DEFAULT_NUM_INFERENCE_STEPS
 
 
-PAN2_PRESET = InferencePreset(
+PAN2_PRESET = adapter.symbol("InferencePreset")(
     name=PRESET_NAME,
     version=1,
     model_family=MODEL_FAMILY,
     description="PAN2 image-to-video (Wan2.2-TI2V-5B class), 704x1248 @ 24 fps, 121 frames",
     workload_type="i2v",
-    stage_schemas=(PresetStageSpec(name="denoise", kind="denoising", description="PAN2 denoising",
+    stage_schemas=(adapter.symbol("PresetStageSpec")(name="denoise", kind="denoising", description="PAN2 denoising",
                                    allowed_overrides=frozenset({"num_inference_steps", "guidance_scale"})), ),
     defaults={
         "height": DEFAULT_HEIGHT,

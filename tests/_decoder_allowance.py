@@ -11,7 +11,7 @@ import functools
 import torch
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 
 
 def check_allowance(video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> dict:

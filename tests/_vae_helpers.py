@@ -69,7 +69,7 @@ def make_wan21_vae(seed: int = 0, base_dim: int = 8, z_dim: int = 8):
 def random_wan22_decoder_weights(seed: int = 0, z_dim: int = 8, decoder_base_dim: int = 8) -> dict:
     """The decoder half of a narrow Wan2.2-layout VAE as a state dict, seeded random, without diffusers (for machines
     that have only torch). Same scales as `randomize_parameters_`, not the same numbers as `make_wan22_vae`."""
-    from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes
+    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, expected_shapes
 
     config = WanVAEConfig(z_dim=z_dim, decoder_base_dim=decoder_base_dim, dim_mult=(1, 2, 4, 4),
                                     num_res_blocks=2, temperal_upsample=(True, True, False), out_channels=12,

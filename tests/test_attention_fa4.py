@@ -30,13 +30,13 @@ def fa4_installed(monkeypatch, tmp_path, no_flash_attn):
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0), (11, 0)])
-def test_fa4_on_for_sm100_or_newer_with_fa4_installed(fa4_installed, capability):
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3)])
+def test_fa4_on_for_datacenter_blackwell_with_fa4_installed(fa4_installed, capability):
     assert fa4_decision(capability, environ={}) is True
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (8, 9), (8, 0), (7, 5)])
-def test_fa4_off_below_sm100(fa4_installed, capability):
+@pytest.mark.parametrize("capability", [(12, 0), (12, 1), (11, 0), (9, 0), (8, 9), (8, 0), (7, 5)])
+def test_fa4_off_on_gpus_fa4_does_not_target(fa4_installed, capability):
     assert fa4_decision(capability, environ={}) is False
 
 

@@ -9,8 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN21_CONFIG, WanVAEConfig
-from fastvideo_pan2_ext.vae_kernel.selfcheck import DECODE_CHECK_CONFIG, random_weights
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WanVAEConfig
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import DECODE_CHECK_CONFIG, random_weights
 from tools import budget
 
 NARROW_WAN21 = WanVAEConfig(**{**WAN21_CONFIG.__dict__, "decoder_base_dim": 8})

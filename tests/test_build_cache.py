@@ -1,4 +1,4 @@
-"""The build cache (vae_kernel/build.py) under real processes, with a tiny C++ extension through the same code path.
+"""The build cache (vae_kernel/compiled/build.py) under real processes, with a tiny C++ extension through the same code path.
 
 Every builder here is a real Python process running `load_extension`; builds are real (torch's cpp_extension + ninja
 + the host compiler), about 15-20 s each on 2 cores, so tests share one raced build where that is honest.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel.compiled import build
 
 pytestmark = pytest.mark.slow  # real compiles racing each other
 
@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
 # One builder process: loads the extension through the cache and prints what it got as one JSON line.
 BUILDER = """
 import hashlib, json, sys
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel.compiled import build
 root, source, offset, lock = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 spec = build.ExtensionSpec(name="tiny_cache_ext", sources=(source,), extra_cflags=(f"-DTINY_OFFSET={offset}",))
 module = build.load_extension(spec, root=root, lock=lock)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import build, extension
+from fastvideo_pan2_ext.vae_kernel.compiled import build, extension
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,7 +27,7 @@ pytestmark = [
 WARM_LOAD = """
 import json, sys, time
 start = time.monotonic()
-from fastvideo_pan2_ext.vae_kernel import extension
+from fastvideo_pan2_ext.vae_kernel.compiled import extension
 ext = extension.build_extension(sys.argv[1], root=sys.argv[2])
 print(json.dumps({"arch": ext.arch(), "file": ext.__file__, "seconds": time.monotonic() - start}))
 """

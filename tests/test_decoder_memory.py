@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from _decoder_allowance import latents
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, memory
-from fastvideo_pan2_ext.vae_kernel.memory import LiveBytes, parse_bytes
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.planning import memory
+from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes, parse_bytes
 
 SHAPE = (2, 8, 3, 7, 2)  # batch 2, an odd frame height, a first pass and a two-frame pass
 
@@ -184,8 +185,8 @@ def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatc
 def test_pan2s_default_video_decodes_at_one_frame_per_pass_within_the_16_gib_goal():
     """The numbers behind the default (bf16 scratch, as on a GPU; `tools/memory_plan.py` prints them): at 704x1248,
     193 frames, frames_per_pass 1 keeps weights, working memory and video within DEFAULT_MEMORY_GOAL; 2 does not."""
-    from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes, video_shape
-    from fastvideo_pan2_ext.vae_kernel.weights import prepare
+    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes, video_shape
+    from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare
 
     weights = {name: prepare(name, torch.empty(shape, device="meta"))
                for name, shape in expected_shapes(WAN22_CONFIG).items()}

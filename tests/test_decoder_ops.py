@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WAN22_CONFIG, decoder_weights, weight_names
-from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes, infer_config
-from fastvideo_pan2_ext.vae_kernel.weights import prepare, subpixel_weights
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes, infer_config
+from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare, subpixel_weights
 
 ops = TORCH_OPS
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fastvideo_pan2_ext.vae_kernel.network as network
+import fastvideo_pan2_ext.vae_kernel.portable.network as network
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 

@@ -16,8 +16,10 @@ import torch.multiprocessing as mp
 
 from _decoder_allowance import Oracle, check_allowance, latents
 from _vae_helpers import make_wan21_vae
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, network, selfcheck
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN21_CONFIG, WanVAEConfig
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.portable import network
+from fastvideo_pan2_ext.vae_kernel.compiled import selfcheck
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WanVAEConfig
 
 Z_DIM = 8
 TILED_SHAPE = (2, Z_DIM, 3, 9, 2)  # batch 2, an odd frame height, several passes

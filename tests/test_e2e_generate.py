@@ -37,7 +37,9 @@ DEMO_SCRIPT = textwrap.dedent("""
     import sys
     from fastvideo_pan2_ext.attention import fa4
 
-    fa4._current_capability = lambda: (10, 0)  # this parent pretends to drive an sm_100 GPU (flash_attn.cute: stand-in)
+    # The parent and the workers (spawned: they run this module's top level too) pretend to drive an sm_100 GPU
+    # (flash_attn.cute: a stand-in).
+    fa4._current_capability = lambda: (10, 0)
 
     if __name__ == "__main__":
         from fastvideo_pan2_ext.demo.pan2 import main
@@ -46,7 +48,7 @@ DEMO_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tiny_ckpt, tmp_path):
+def test_demo_uses_the_python_api_with_decode_kernel_and_the_worker_turns_fa4_on_before_loading(tiny_ckpt, tmp_path):
     """`python -m fastvideo_pan2_ext.demo` is `VideoGenerator.from_config(...)` with
     `PAN2PipelineConfig(vae_decode_kernel=True)` + `generate(request)`: run it on the tiny checkpoint."""
     script = tmp_path / "demo.py"
@@ -70,8 +72,8 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_workers_inherit_fa4(tin
     assert "fast VAE decoder: backend torch, frames_per_pass 2, tile_rows None, max_memory None, one rank on cpu" in log
     assert "fast VAE decoder: latents [1, 48, 3, 4, 6]: 2 latent frame(s) per pass, untiled" in log
     assert f"PAN2 decode: wrote {E2E_FRAMES} frames to {video} while decoding" in log
-    # Decided in the parent before the worker started; the worker had it before it loaded any model.
-    assert ("PAN2 attention policy: FASTVIDEO_FA4=1 (inherited or left as is); "
+    # Decided in the worker, where its attention is about to be chosen: before it loaded any model.
+    assert ("PAN2 attention policy: FASTVIDEO_FA4=1 (set here); "
             "FastVideo modules that read it already loaded: none") in log
 
 

@@ -33,7 +33,7 @@ def _stage_and_args(tiny_ckpt: str):
 
     args = FastVideoArgs.from_kwargs(model_path=tiny_ckpt, num_gpus=1, workload_type="i2v",
                                      pipeline_config=PAN2PipelineConfig(vae_decode_kernel=True,
-                                                                        vae_frames_per_pass=2))
+                                                                        vae_decode_frames_per_pass=2))
     vae_dir = Path(tiny_ckpt) / "vae"
     config = json.loads((vae_dir / "config.json").read_text())
     config.pop("_class_name", None)

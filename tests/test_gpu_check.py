@@ -24,7 +24,7 @@ import pytest
 import torch
 from _source_tree import REPO, copy_source_tree
 
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel.compiled import build
 
 pytestmark = [
     pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine"),

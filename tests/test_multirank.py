@@ -31,7 +31,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, memory
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+    from fastvideo_pan2_ext.vae_kernel.planning import memory
 
     sd = torch.load(f"{tmp}/state_dict.pt")
     z = torch.load(f"{tmp}/latents.pt")
@@ -114,7 +115,7 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
 
 
 def test_rows_split_into_near_equal_bands():
-    from fastvideo_pan2_ext.vae_kernel.bands import split_rows
+    from fastvideo_pan2_ext.vae_kernel.distributed.bands import split_rows
 
     assert split_rows(5, 2) == [(0, 3), (3, 5)]
     assert split_rows(44, 8) == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 29), (29, 34), (34, 39), (39, 44)]

@@ -103,7 +103,7 @@ def test_wheel_holds_every_module_of_the_four_rooms_under_the_namespace(wheel):
     assert not missing, f"not in the wheel: {sorted(missing)}"
     for room in ("configs", "attention", "vae_kernel"):
         assert f"{NAMESPACE}/{room}/__init__.py" in names
-    csrc = [f for f in source_files() if f.startswith("vae_kernel/csrc/")]
+    csrc = [f for f in source_files() if f.startswith("vae_kernel/compiled/csrc/")]
     assert all(f"{NAMESPACE}/{f}" in names for f in csrc)
 
 

@@ -34,7 +34,7 @@ def _config(args, **fields):
     finally:
         for name, value in saved.items():
             setattr(config, name, value)
-        config.check_vae_options()  # what the next request's check does: PAN2's switch back into the VAE config
+        config.check_vae_options()  # what the next request does
 
 
 def _stage_output(pan2, tiny_ckpt, latents, stream_to=None, **fields):
@@ -44,7 +44,7 @@ def _stage_output(pan2, tiny_ckpt, latents, stream_to=None, **fields):
     batch.latents = latents.clone()
     if stream_to is not None:
         batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(str(stream_to), 24)
-    with _config(args, vae_frames_per_pass=2, **fields):
+    with _config(args, vae_decode_frames_per_pass=2, **fields):
         return stage(batch, args).output
 
 
@@ -85,7 +85,7 @@ def test_tiled_and_budgeted_decodes_are_the_untiled_decode(pan2, tiny_ckpt, plai
         fields = {"vae_decode_max_memory": _budget_that_tiles(pan2)}
     tiled = _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, **fields)
     assert torch.equal(tiled, plain)
-    with _config(pan2[1], vae_decode_kernel=True, vae_frames_per_pass=2, **fields) as config:
+    with _config(pan2[1], vae_decode_kernel=True, vae_decode_frames_per_pass=2, **fields) as config:
         config.check_vae_options()
         decoder = fast_decode.decoder_for(pan2[0].get_module("vae"), torch.device("cpu"))  # the one that decoded
         assert decoder.plan_tile_rows(LATENTS.shape) in (1, 2)  # it really decoded in tiles
@@ -134,17 +134,16 @@ def test_options_set_after_the_config_was_made_are_checked_at_decode(pan2, tiny_
 # ------------------------------------------------------------------------------------------------------------------
 def test_fastvideos_own_switch_set_on_a_pan2_config_is_obeyed(pan2, tiny_ckpt, plain):
     """`vae_config.decode_kernel=True` (the generic switch, as a CLI override sets it after the config was made)
-    decodes a PAN2 request with the fast decoder although PAN2's own `vae_decode_kernel` is False."""
+    decodes a PAN2 request with the fast decoder: PAN2's `vae_decode_kernel` is a view of it."""
     pipeline, args = pan2
-    with _config(args, vae_frames_per_pass=2) as config:
-        config.check_vae_options()
+    with _config(args, vae_decode_frames_per_pass=2, vae_decode_kernel=False) as config:
         config.vae_config.decode_kernel = True
+        assert config.vae_decode_kernel
         batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
         batch.latents = LATENTS.clone()
         output = pipeline._stage_name_mapping["decoding_stage"](batch, args).output
-        assert config.vae_config.decode_kernel and not config.vae_decode_kernel
     assert torch.equal(output, plain)
-    assert not args.pipeline_config.vae_config.decode_kernel  # PAN2's switch changed back: it wins again
+    assert not args.pipeline_config.vae_config.decode_kernel
 
 
 def test_a_light_wan_vae_with_the_fast_decoder_is_a_clear_error(pan2):
@@ -170,7 +169,7 @@ def test_defaults_of_fastvideos_vae_switches_for_pan2(pan2):
     vae = config.vae_config
     assert (vae.use_feature_cache, vae.use_tiling, vae.use_temporal_tiling, vae.use_parallel_tiling) == (
         True, False, False, False)
-    assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.vae_decode_tile_rows,
+    assert (config.vae_decode_kernel, config.vae_decode_frames_per_pass, config.vae_decode_tile_rows,
             config.vae_decode_max_memory) == (False, "auto", None, None)
 
 
@@ -221,7 +220,7 @@ def test_fastvideos_tiled_wan_vae_paths_break_wan22_so_pan2_refuses_them(pan2):
     ({"vae_decode_kernel": True, "vae_decode_max_memory": 0}, r"vae_decode_max_memory must be positive"),
     ({"vae_decode_kernel": True, "vae_decode_tile_rows": 2, "vae_decode_max_memory": "1GiB"}, r"not both"),
     ({"vae_decode_max_memory": "1GiB"}, r"tile the fast decoder: set vae_decode_kernel=True"),
-    ({"vae_frames_per_pass": 0}, r"vae_frames_per_pass must be 'auto' or an int >= 1; got 0"),
+    ({"vae_decode_frames_per_pass": 0}, r"vae_decode_frames_per_pass must be 'auto' or an int >= 1; got 0"),
 ])
 def test_bad_decode_options_are_clear_errors(pan2, fields, message):
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
@@ -277,3 +276,19 @@ def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_st
             finally:
                 setattr(args, field, saved)
     assert not streams(args, sampling)  # vae_decode_kernel=False: FastVideo's decode and save
+
+
+def test_pan2_switches_are_views_of_the_vae_config_and_the_old_name_still_works(pan2):
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+    from fastvideo_pan2_ext.vae_kernel.options import NAMES
+
+    config = PAN2PipelineConfig(vae_decode_kernel=True, vae_decode_conv_algorithm="winograd")
+    assert config.vae_config.decode_kernel is True and config.vae_config.decode_conv_algorithm == "winograd"
+    config.vae_config.decode_tile_rows = 3  # set on the Wan VAE config: PAN2's switch shows it, no sync needed
+    assert config.vae_decode_tile_rows == 3
+    assert {f"vae_decode_{name}" for name in NAMES} | {"vae_decode_kernel"} <= set(dir(config))
+    with pytest.warns(DeprecationWarning, match=r"vae_frames_per_pass is deprecated: use vae_decode_frames_per_pass"):
+        old = PAN2PipelineConfig(vae_frames_per_pass=2)
+    assert old.vae_decode_frames_per_pass == old.vae_config.decode_frames_per_pass == 2
+    with pytest.raises(ValueError, match=r"vae_decode_frames_per_pass must be 'auto' or an int >= 1; got 0"):
+        PAN2PipelineConfig(vae_decode_frames_per_pass=0)

@@ -106,7 +106,7 @@ def test_decode_with_kernel_is_wanvaedecoder_on_fastvideos_denormalized_latents(
     args.pipeline_config.vae_decode_kernel = True
     try:
         for frames_per_pass in (1, 4):
-            args.pipeline_config.vae_frames_per_pass = frames_per_pass
+            args.pipeline_config.vae_decode_frames_per_pass = frames_per_pass
             ours = _decode_through_stage(pipeline, args, latents, tiny_ckpt)
             decoder = WanVAEDecoder(pipeline.get_module("vae"), device="cpu", local=True,
                                     frames_per_pass=frames_per_pass)
@@ -114,7 +114,7 @@ def test_decode_with_kernel_is_wanvaedecoder_on_fastvideos_denormalized_latents(
             assert torch.equal(ours, (direct.float() / 2 + 0.5).clamp(0, 1)), frames_per_pass
     finally:
         args.pipeline_config.vae_decode_kernel = False
-        args.pipeline_config.vae_frames_per_pass = 4
+        args.pipeline_config.vae_decode_frames_per_pass = 4
     fastvideo_route = _decode_through_stage(pipeline, args, latents, tiny_ckpt)
     assert ours.shape == fastvideo_route.shape == (1, 3, 9, 64, 96)
     assert (ours - fastvideo_route).abs().max() < 0.1  # same video, two bf16 decoders
@@ -167,7 +167,7 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
     image = exif_rotated_jpeg(tmp_path / "a.jpg")
     run = _validated("--pipeline", "pan2", *_request(tiny_ckpt, image), "--request.sampling.height", "64",
                      "--request.sampling.seed", "7", "--generator.pipeline.experimental.vae_decode_kernel", "true",
-                     "--generator.pipeline.experimental.vae_frames_per_pass", "2",
+                     "--generator.pipeline.experimental.vae_decode_frames_per_pass", "2",
                      "--generator.pipeline.experimental.vae_decode_max_memory", "8GiB",
                      "--generator.pipeline.experimental.flow_shift", "3.0")
     sampling = run.request.sampling
@@ -175,7 +175,7 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
     fastvideo_args = generator_config_to_fastvideo_args(run.generator)
     config = fastvideo_args.pipeline_config
     assert type(config) is PAN2PipelineConfig
-    assert (config.vae_decode_kernel, config.vae_frames_per_pass, config.flow_shift) == (True, 2, 3.0)
+    assert (config.vae_decode_kernel, config.vae_decode_frames_per_pass, config.flow_shift) == (True, 2, 3.0)
     assert (config.vae_decode_max_memory, config.vae_decode_tile_rows) == ("8GiB", None)
     assert fastvideo_args.override_pipeline_cls_name == "PAN2Pipeline"
 
@@ -243,8 +243,8 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
         "Wan2.1 VAE": (["--generator.model_path", str(old_vae), *good[2:]], r"vae/config.json is not a Wan2.2 VAE"),
         "not a folder": (["--generator.model_path", str(image), *good[2:]], r"is not a folder"),
         "no model path": (good[2:], r"--pipeline pan2 needs a checkpoint: --generator.model_path PATH"),
-        "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_frames_per_pass", "0"],
-                           r"vae_frames_per_pass must be 'auto' or an int >= 1; got 0"),
+        "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_decode_frames_per_pass", "0"],
+                           r"vae_decode_frames_per_pass must be 'auto' or an int >= 1; got 0"),
         "no image": (good[:4], r"--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE"),
         "two videos per request": ([*good, "--request.sampling.num_videos_per_prompt", "2"],
                                    r"PAN2 makes one video per request .* got num_videos_per_prompt=2"),

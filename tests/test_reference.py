@@ -28,9 +28,9 @@ import torch
 
 from _vae_helpers import diffusers_decode, make_wan21_vae, random_latents, random_wan22_decoder_weights
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.architecture import (WAN21_CONFIG, WAN22_CONFIG, decoder_state_dict,
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG, decoder_state_dict,
                                                         expected_shapes, infer_config)
-from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32
+from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32
 
 Z_DIM = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

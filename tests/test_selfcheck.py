@@ -17,12 +17,13 @@ import warnings
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import loader, ops, selfcheck, verification, weights
-from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG
-from fastvideo_pan2_ext.vae_kernel.emulated_extension import EmulatedExtension
-from fastvideo_pan2_ext.vae_kernel.extension import CompiledUnavailable
-from fastvideo_pan2_ext.vae_kernel.kernels import CompiledKernels, make_ops
+from fastvideo_pan2_ext.vae_kernel.compiled import loader, selfcheck, verification
+from fastvideo_pan2_ext.vae_kernel.portable import ops, weights
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG
+from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import EmulatedExtension
+from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops
 
 CPU = torch.device("cpu")
 # One op shape per kind, narrow: the loader tests judge tables, not shapes (the full set is proven below).
@@ -190,7 +191,7 @@ def test_the_verification_child_imports_this_package_whatever_its_working_direct
     decoy = tmp_path / "fastvideo_pan2_ext"  # a checkout's package folder without vae_kernel, in the cwd
     decoy.mkdir()
     (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
-    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.verification", "cpu", "emulated", "0")
+    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.compiled.verification", "cpu", "emulated", "0")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["WAN22_VAE_DECODE_BUILD_DIR"] = str(tmp_path / "cache")
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fastvideo_pan2_ext.integration.checkpoint import check_pan2_checkpoint
 from fastvideo_pan2_ext.configs import PIPELINE_CLASS_NAME
-from fastvideo_pan2_ext.vae_kernel.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 
 
 def test_tiny_checkpoint_has_the_diffusers_layout_fastvideo_reads(tiny_ckpt):

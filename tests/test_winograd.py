@@ -1,4 +1,4 @@
-"""Winograd F(2x2, 3x3) / F(4x4, 3x3) (vae_kernel/winograd.py): the transforms are exact in fp32, the bf16 rounding
+"""Winograd F(2x2, 3x3) / F(4x4, 3x3) (vae_kernel/portable/winograd.py): the transforms are exact in fp32, the bf16 rounding
 points keep F(2x2) inside the decoder's allowance op by op and for a whole decode, and the op table dispatches and
 caches as documented. The error study behind the numbers is tools/winograd_error.py."""
 
@@ -12,10 +12,10 @@ from _vae_helpers import winograd_out, winograd_problem
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
-from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference
-from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights, reference_conv3d
-from fastvideo_pan2_ext.vae_kernel.winograd import conv3d_winograd, winograd_ops, winograd_weights
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, reference_conv3d
+from fastvideo_pan2_ext.vae_kernel.portable.winograd import conv3d_winograd, winograd_ops, winograd_weights
 
 bf16 = torch.bfloat16
 

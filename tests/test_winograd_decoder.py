@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from _decoder_allowance import Oracle, check_allowance, latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.vae_kernel.bands import split_rows
+from fastvideo_pan2_ext.vae_kernel.distributed.bands import split_rows
 
 SHAPE = (1, 8, 3, 5, 3)  # odd latent height (5 rows: bands and tiles of odd sizes), 9 video frames
 

@@ -23,12 +23,14 @@ import torch
 from _vae_helpers import winograd_out, winograd_problem
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder, build, extension, winograd
-from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference
-from fastvideo_pan2_ext.vae_kernel.emulated_extension import EmulatedExtension
-from fastvideo_pan2_ext.vae_kernel.kernels import CompiledKernels, make_ops, winograd_kernel_weights
-from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights, reference_conv3d
+from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.compiled import build, extension
+from fastvideo_pan2_ext.vae_kernel.portable import winograd
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
+from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import EmulatedExtension
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops, winograd_kernel_weights
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, reference_conv3d
 
 bf16 = torch.bfloat16
 

@@ -43,10 +43,10 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -205,7 +205,7 @@ def audit(video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> di
 def _rank_worker(rank: int, world: int, tmp: str, spec: dict) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: PLC0415
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -336,7 +336,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
 def fast_decoders(sd_on_device: dict, args, device: torch.device) -> dict:
     """(backend, conv_algorithm) -> a single-rank WanVAEDecoder, one per distinct op table (on CPU "auto" is "direct",
     so asking for both times it once)."""
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: PLC0415
 
     decoders, tables = {}, set()
     for backend in args.backends:
@@ -493,7 +493,7 @@ def parse_args(argv=None):
     p.add_argument("--stream", action="store_true", help="also measure decode_iter with chunks dropped as they come")
     p.add_argument("--skip-baselines", action="store_true",
                    help="time only the fast decoder (no release baseline, no fp32 reference, no audit)")
-    p.add_argument("--frames-per-pass", type=parse_frames_per_pass, default=4, help="an int, or auto (default 4)")
+    p.add_argument("--frames-per-pass", type=argparse_type("frames_per_pass"), default=4, help="an int, or auto (default 4)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--baseline-repeats", type=int, default=1)

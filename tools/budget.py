@@ -28,11 +28,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.bands import LocalRows  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.network import DecodeState, NetworkPass  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.ops import Ops  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.weights import prepare  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.distributed.bands import LocalRows  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.network import DecodeState, NetworkPass  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
 GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on the lent H200 (docs/design.md, "The FLOP and byte budget")
 COPY_BYTES = 4.3e12  # device-to-device copy, bytes read + written, same machine

@@ -30,7 +30,7 @@ skips what no longer fits and says so; every subprocess has a time limit; the JS
 measurement. Exit code 0 only if the compiled decoder built, passed the self-check and met the allowance at every size.
 
 `--dry-run` runs all of it on CPU at tiny sizes (the Winograd and Wan2.1 steps included): the build really compiles
-(sm_90a, compile-only), and the compiled decoder is the emulated extension (`vae_kernel/emulated_extension.py`, the
+(sm_90a, compile-only), and the compiled decoder is the emulated extension (`vae_kernel/compiled/emulated_extension.py`, the
 Winograd kernels' API too) loaded through the same loader and child-process self-check as a built one;
 `--stand-in emulated-abort` makes every compiled child die, to prove the isolation. The dry run is single-threaded
 (`single_threaded_cpu`).
@@ -57,14 +57,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel import build, extension, loader, selfcheck, verification  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.allowance import compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder, parse_frames_per_pass  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.kernels import make_ops  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS, Ops  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.precision import exact_fp32  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification# noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import make_ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
 from tools.bench import conv_layer_inputs, conv_speeds  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
@@ -748,7 +749,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=480.0,
                         help="seconds for the whole check; steps that no longer fit are skipped (default 480: one "
                              "600 s device command with 120 s to spare)")
-    parser.add_argument("--frames-per-pass", type=parse_frames_per_pass, default="auto",
+    parser.add_argument("--frames-per-pass", type=argparse_type("frames_per_pass"), default="auto",
                         help="the timed decodes' setting (default: auto, the product's default)")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip (build, timing, memory, ...)")
     parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes, video_shape  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.memory import MemoryPlanner  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.weights import prepare  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes, video_shape  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.planning.memory import MemoryPlanner  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
 GIB = 2**30
 

@@ -40,13 +40,13 @@ if __package__ in (None, ""):  # `python tools/winograd_error.py`: make the repo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.allowance import (  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import (  # noqa: E402
     ALLOWANCE, VIDEO_PEAK_TO_PEAK, compare_to_reference, psnr_db)
-from fastvideo_pan2_ext.vae_kernel.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.ops import TORCH_OPS  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights, reference_conv3d  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.winograd import TILES, conv3d_winograd, winograd_ops, winograd_weights  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, reference_conv3d  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.winograd import TILES, conv3d_winograd, winograd_ops, winograd_weights  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results" / "winograd-error-2026-11-30.json"
 

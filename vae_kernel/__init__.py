@@ -11,13 +11,13 @@ import importlib
 
 _EXPORTS = {
     "WanVAEDecoder": "decoder",
-    "Ops": "ops",
-    "TORCH_OPS": "ops",
+    "Ops": "portable.ops",
+    "TORCH_OPS": "portable.ops",
     "select_ops": "backends",
-    "WAN22_CONFIG": "architecture",
-    "WanVAEConfig": "architecture",
-    "weight_names": "weights",
-    "decoder_weights": "weights",
+    "WAN22_CONFIG": "definitions.architecture",
+    "WanVAEConfig": "definitions.architecture",
+    "weight_names": "portable.weights",
+    "decoder_weights": "portable.weights",
 }
 
 __all__ = list(_EXPORTS)

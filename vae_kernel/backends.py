@@ -7,15 +7,13 @@ import logging
 
 import torch
 
-from . import winograd
-from .extension import CompiledUnavailable
-from .loader import load_ops
-from .ops import TORCH_OPS, Ops
+from .portable import winograd
+from .compiled import CompiledUnavailable, load_ops
+from . import options
+from .portable.ops import TORCH_OPS, Ops
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cuda", "torch")
-CONV_ALGORITHMS = ("auto", "direct", "winograd")
 
 # The layer shapes (Co, Ci, kt) whose convs run by Winograd under conv_algorithm "auto", per GPU model, as the GPU
 # check measured them (tools/gpu_check.py, conv_bench: Winograd faster than direct and within the allowance). A GPU
@@ -41,12 +39,9 @@ def select_ops(backend, device: torch.device, conv_algorithm: str = "auto") -> O
     conv_algorithm "winograd" (or "auto" where the GPU check measured Winograd faster) on the compiled backend uses
     the Winograd kernels once they pass the self-check; if they fail it, the direct kernels run, with a warning.
     """
+    options.check({"backend": backend, "conv_algorithm": conv_algorithm})
     if isinstance(backend, Ops):
         return backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
-    if conv_algorithm not in CONV_ALGORITHMS:
-        raise ValueError(f"conv_algorithm must be one of {list(CONV_ALGORITHMS)}; got {conv_algorithm!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         layers = _winograd_layers(conv_algorithm, device)
         if not layers:

@@ -9,20 +9,20 @@ table runs: portable or compiled). This module validates input, chooses among th
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import memory
-from . import weights as weights_mod
-from .agreement import DecodeRequest, agree, supported_dtype
-from .architecture import check_latents, video_shape
+from . import options as options_mod
+from .planning import memory
+from .portable import weights as weights_mod
+from .distributed.agreement import DecodeRequest, agree, supported_dtype
+from .definitions.architecture import check_latents, video_shape
 from .backends import select_ops
-from .bands import LocalRows, RankRows, split_rows
-from .passes import Chunk, PassRunner, collect
+from .distributed.bands import LocalRows, RankRows, split_rows
+from .portable.passes import Chunk, PassRunner, collect
 
 
 def _resolve_device(device) -> torch.device:
@@ -38,58 +38,6 @@ def _resolve_device(device) -> torch.device:
     return device
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-    return value
-
-
-def _check_frames_per_pass(name: str, value) -> None:
-    if isinstance(value, str) and value == memory.AUTO:
-        return
-    try:
-        _positive_int(name, value)
-    except ValueError:
-        raise ValueError(f"{name} must be 'auto' or an int >= 1; got {value!r}") from None
-
-
-def parse_frames_per_pass(text: str) -> int | str:
-    """The frames_per_pass option as a command line spells it ("auto" or a count): an argparse type."""
-    value = int(text) if text.strip().lstrip("-").isdigit() else text
-    try:
-        _check_frames_per_pass("frames_per_pass", value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-OPTION_NAMES = ("backend", "frames_per_pass", "tile_rows", "max_memory")
-
-
-def check_decode_options(frames_per_pass, tile_rows, max_memory, enabled: bool = True,
-                         names: tuple[str, str, str, str] = OPTION_NAMES) -> None:
-    """ValueError naming the first bad decoder option. `names`: what the caller calls the switch that turns this
-    decoder on and the three options; `enabled`: that switch (tiling options without it are an error: nothing else
-    tiles exactly)."""
-    switch, names = names[0], names[1:]
-    if not isinstance(enabled, bool):
-        raise ValueError(f"{switch} must be a bool; got {enabled!r}")
-    _check_frames_per_pass(names[0], frames_per_pass)
-    if tile_rows is not None:
-        try:
-            _positive_int(names[1], tile_rows)
-        except ValueError:
-            raise ValueError(f"{names[1]} must be an int >= 1 (latent rows per tile) or None; got {tile_rows!r}") \
-                from None
-    if max_memory is not None:
-        memory.parse_bytes(max_memory, names[2])
-    if tile_rows is not None and max_memory is not None:
-        raise ValueError(f"set {names[1]} or {names[2]}, not both: the budget picks the tile")
-    if (tile_rows is not None or max_memory is not None) and not enabled:
-        raise ValueError(f"{names[1]} / {names[2]} tile the fast decoder: set {switch}=True (FastVideo's own Wan VAE "
-                         "decode has no exact tiling)")
-
-
 class DecodePlan(NamedTuple):
     """How one decode runs: latent frames per pass, and latent rows per tile (None: untiled)."""
 
@@ -100,8 +48,9 @@ class DecodePlan(NamedTuple):
 class WanVAEDecoder:
     """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
-    `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, frames_per_pass="auto", local=False, backend="auto")`
-    takes diffusers' (or FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights.
+    `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, local=False, **options)` takes diffusers' (or
+    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. The options
+    (`frames_per_pass`, `tile_rows`, `max_memory`, `backend`, `conv_algorithm`) are defined in `options.OPTIONS`.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
     [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
     rank 0 returns the video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto"
@@ -121,26 +70,24 @@ class WanVAEDecoder:
     nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
     """
 
-    def __init__(self, vae_or_state_dict, device="cuda", pg=None, frames_per_pass: int | str = memory.AUTO,
-                 local: bool = False, backend: str = "auto", tile_rows: int | None = None,
-                 max_memory: int | str | None = None, conv_algorithm: str = "auto") -> None:
-        check_decode_options(frames_per_pass, tile_rows, max_memory)
-        self.frames_per_pass = frames_per_pass
+    def __init__(self, vae_or_state_dict, device="cuda", pg=None, local: bool = False, **options) -> None:
+        opts = self.options = options_mod.check(options)
+        self.frames_per_pass = opts.frames_per_pass
         self.tile_rows = None
         self.max_memory = None
         self.device = _resolve_device(device)
         self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
-        self.ops = select_ops(backend, self.device, conv_algorithm)
+        self.ops = select_ops(opts.backend, self.device, opts.conv_algorithm)
         if pg is None and not local and dist.is_available() and dist.is_initialized():
             pg = dist.group.WORLD
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
         self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
         self.last_plan: DecodePlan | None = None  # what the latest decode or decode_iter ran (the ranks' agreed plan)
-        if tile_rows is not None:
-            self.enable_tiling(tile_rows)
-        if max_memory is not None:
-            self.set_max_memory(max_memory)
+        if opts.tile_rows is not None:
+            self.enable_tiling(opts.tile_rows)
+        if opts.max_memory is not None:
+            self.set_max_memory(opts.max_memory)
 
     @property
     def backend(self) -> str:
@@ -153,7 +100,7 @@ class WanVAEDecoder:
 
     def enable_tiling(self, tile_rows: int) -> None:
         """Decode in tiles of `tile_rows` latent rows, one after another (exact; peak memory falls with the tile)."""
-        _positive_int("tile_rows", tile_rows)
+        options_mod.check({"tile_rows": tile_rows})
         if self.pg is not None:
             raise ValueError("tiled decode runs on one rank: pass local=True (or no process group) to use tile_rows")
         self.tile_rows, self.max_memory = tile_rows, None

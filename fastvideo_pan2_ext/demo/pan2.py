@@ -66,9 +66,9 @@ def contact_sheet(video: Path, out: Path, caption: str) -> tuple[int, tuple[int,
 
 
 def _frames_per_pass(text: str) -> int | str:
-    from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass  # imports torch: not for --help
+    from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # imports torch: not for --help
 
-    return parse_frames_per_pass(text)
+    return argparse_type("frames_per_pass")(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         timings.append(("tiny checkpoint: " + ("made" if made else "from cache"), time.perf_counter() - t))
 
     t = time.perf_counter()
-    from fastvideo import VideoGenerator
+    from fastvideo_pan2_ext.integration import adapter
+
+    VideoGenerator = adapter.symbol("VideoGenerator")
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
 
     timings.append(("import FastVideo (+ PAN2 plugin)", time.perf_counter() - t))
     t = time.perf_counter()
-    config = PAN2PipelineConfig(vae_decode_kernel=args.decoder == "kernel", vae_frames_per_pass=args.frames_per_pass)
+    config = PAN2PipelineConfig(vae_decode_kernel=args.decoder == "kernel", vae_decode_frames_per_pass=args.frames_per_pass)
     generator = VideoGenerator.from_config({"model_path": str(checkpoint), "engine": {"num_gpus": args.num_gpus},
                                             "pipeline": {"experimental": {"pipeline_config": config}}})
     timings.append(("start workers, load models", time.perf_counter() - t))

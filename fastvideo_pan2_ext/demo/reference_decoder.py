@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.architecture import WanVAEConfig, expected_shapes, latent_frames
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, expected_shapes, latent_frames
 from fastvideo_pan2_ext.video_io import to_uint8_frames
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels

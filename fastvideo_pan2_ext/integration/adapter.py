@@ -1,10 +1,12 @@
 """The one seam between this package and FastVideo's internals (docs/design.md, "FastVideo facts relied on").
 
-Every private FastVideo name this package uses and every attribute it replaces at run time is in `SEAMS`, with the
-reason, and is used through a function of this module; nothing else in the package touches FastVideo internals. An
-upgrade of FastVideo is this file to read. `check()` (run by `register()`) looks every seam up in the installed
-FastVideo and fails with one line naming the FastVideo version and the first missing symbol, instead of a traceback
-deep in a worker.
+Every FastVideo name this package relies on (modules, classes, functions, attributes, stage names) and every attribute
+it replaces at run time is in `SEAMS`, with the reason, and is used through this module (`symbol(name)` for the
+classes and functions other modules build on); nothing else in the package imports FastVideo beyond its top-level
+package (tests/test_architecture.py checks the import graph). An upgrade of FastVideo is this file to read: a seam
+lists the spellings of the releases in `TESTED_RELEASES` (the first that the installed FastVideo has is used).
+`check()` (run by `register()`) looks every seam up in the installed FastVideo and fails with one line naming the
+FastVideo version and the first missing symbol, instead of a traceback deep in a worker.
 
 The CPU-only replacements (`close_cpu_gaps`) are applied only in a process where FastVideo resolved the CPU platform
 and torch sees no CUDA device; GPU runs never get them.
@@ -21,19 +23,58 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-BUILT_FOR = "0.2.1"  # the FastVideo release these seams were read from
+TESTED_RELEASES = ("0.2.1",)  # the FastVideo releases this package's tests ran against (pyproject pins the range)
 
 
 @dataclasses.dataclass(frozen=True)
 class Seam:
     module: str
-    attribute: str  # dotted within the module
+    attribute: str  # dotted within the module; "" for the module itself (found, and read, without importing it)
     why: str
     replaced: bool = False  # this package replaces it at run time (else it only reads or calls it)
     mentions: str = ""  # a name the attribute's source must contain (a convention no lookup can check)
+    name: str = ""  # the name other modules ask `symbol()` for
+    alternatives: tuple[tuple[str, str], ...] = ()  # (module, attribute) spellings of other tested releases
 
+    def spellings(self) -> tuple[tuple[str, str], ...]:
+        return ((self.module, self.attribute), *self.alternatives)
+
+
+# The stages of FastVideo's Wan pipeline that PAN2Pipeline replaces, as FastVideo names them.
+INPUT_STAGE = "input_validation_stage"
+DECODING_STAGE = "decoding_stage"
+# FastVideo modules that read FASTVIDEO_FA4 when they are imported; once one is loaded, this process's choice is made.
+FA4_READERS = (
+    "fastvideo.attention.backends.flash_attn",
+    "fastvideo.attention.utils.flash_attn_default",
+    "fastvideo.attention.utils.flash_attn_no_pad",
+)
 
 SEAMS = (
+    Seam("fastvideo.configs.pipelines.wan", "Wan2_2_TI2V_5B_Config", "PAN2's pipeline config is Wan2.2-TI2V-5B's",
+         name="Wan2_2_TI2V_5B_Config"),
+    Seam("fastvideo.configs.pipelines.base", "PipelineConfig.update_pipeline_config", "a pipeline config file sets "
+         "dataclass fields only: PAN2's config extends it to its switches (views of vae_config)",
+         mentions="fields(self)"),
+    Seam("fastvideo.api.sampling_param", "SamplingParam", "PAN2's sampling defaults", name="SamplingParam"),
+    Seam("fastvideo.api.presets", "InferencePreset", "the pan2 preset", name="InferencePreset"),
+    Seam("fastvideo.api.presets", "PresetStageSpec", "the pan2 preset's denoising stage", name="PresetStageSpec"),
+    Seam("fastvideo.fastvideo_args", "WorkloadType", "PAN2 registers for image-to-video", name="WorkloadType"),
+    Seam("fastvideo.entrypoints.video_generator", "VideoGenerator", "the demo generates as a user does",
+         name="VideoGenerator"),
+    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline", "PAN2Pipeline is FastVideo's Wan pipeline with "
+         "two stages replaced", name="WanPipeline"),
+    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline.create_pipeline_stages", "PAN2Pipeline replaces "
+         "the stage FastVideo adds under this name", mentions=f'"{INPUT_STAGE}"'),
+    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline.create_pipeline_stages", "... and this one",
+         mentions=f'"{DECODING_STAGE}"'),
+    Seam("fastvideo.pipelines.stages", "InputValidationStage", "PAN2's first-frame stage extends it",
+         name="InputValidationStage"),
+    Seam("fastvideo.pipelines.stages", "DecodingStage", "PAN2's decoding stage extends it", name="DecodingStage"),
+    Seam(FA4_READERS[0], "", "imports FA4's reader of FASTVIDEO_FA4: the FA4 policy must run before",
+         mentions=FA4_READERS[1]),
+    *(Seam(reader, "", "reads FASTVIDEO_FA4 once, when imported: the FA4 policy must run before",
+           mentions="FASTVIDEO_FA4") for reader in FA4_READERS[1:]),
     Seam("fastvideo.registry", "_CONFIG_REGISTRY", "register PAN2's config once per process: look for it first"),
     Seam("fastvideo.registry", "_MODEL_NAME_DETECTORS", "FastVideo takes the first matching checkpoint detector in "
          "registration order; PAN2's must come before the Wan ones, which also match a PAN2 checkpoint"),
@@ -74,8 +115,9 @@ SEAMS = (
          "decode_kernel is on (FastVideo's decoding stage calls it with de-normalized latents)", replaced=True),
     Seam("fastvideo.distributed.parallel_state", "get_world_group", "the ranks of a request decode one video "
          "together over FastVideo's world group"),
-    Seam("fastvideo.distributed.parallel_state", "get_local_torch_device", "CPU only: it answers 'mps' on every "
-         "platform that is not CUDA/ROCm/NPU", replaced=True),
+    Seam("fastvideo.distributed.parallel_state", "get_local_torch_device", "the device of this rank; CPU only: it "
+         "answers 'mps' on every platform that is not CUDA/ROCm/NPU, so it is replaced", replaced=True,
+         name="get_local_torch_device"),
     Seam("fastvideo.platforms.cpu", "CpuPlatform", "CPU only: it has no get_attn_backend_cls, so no attention "
          "backend is ever found; it gets one answering torch SDPA", replaced=True),
     Seam("torch", "autocast", "CPU only: stages run under autocast('cuda', bf16), a no-op without CUDA; on a "
@@ -104,26 +146,49 @@ def fastvideo_version() -> str:
         return "not installed"
 
 
-def _lookup(seam: Seam) -> Any:
-    value = importlib.import_module(seam.module)
-    for part in seam.attribute.split("."):
+def _lookup_spelling(module: str, attribute: str, mentions: str) -> Any:
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    if not attribute:  # importing it would have effects (the FA4 readers): its spec and source instead
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or (mentions and mentions not in Path(spec.origin).read_text()):
+            raise ImportError(module)
+        return spec
+    value = importlib.import_module(module)
+    for part in filter(None, attribute.split(".")):
         value = getattr(value, part)
+    if mentions and mentions not in inspect.getsource(value):
+        raise AttributeError(mentions)
     return value
+
+
+def _lookup(seam: Seam) -> Any:
+    """The first spelling of `seam` the installed FastVideo has; IncompatibleFastVideo (one line) if none."""
+    for module, attribute in seam.spellings():
+        try:
+            return _lookup_spelling(module, attribute, seam.mentions)
+        except (ImportError, AttributeError, OSError, TypeError):
+            continue
+    where = f"{seam.module}.{seam.attribute}" if seam.attribute else seam.module
+    raise IncompatibleFastVideo(
+        f"fastvideo_pan2_ext needs {where} (FastVideo {', '.join(TESTED_RELEASES)}; {seam.why}), which FastVideo "
+        f"{fastvideo_version()} does not have")
 
 
 def check() -> None:
     """Raise IncompatibleFastVideo naming the first seam the installed FastVideo does not have."""
-    import inspect
-
     for seam in SEAMS:
-        try:
-            found = _lookup(seam)
-            if seam.mentions and seam.mentions not in inspect.getsource(found):
-                raise AttributeError(seam.mentions)
-        except (ImportError, AttributeError, OSError, TypeError):
-            raise IncompatibleFastVideo(
-                f"fastvideo_pan2_ext needs {seam.module}.{seam.attribute} (FastVideo {BUILT_FOR}; {seam.why}), "
-                f"which FastVideo {fastvideo_version()} does not have") from None
+        _lookup(seam)
+
+
+_BY_NAME = {seam.name: seam for seam in SEAMS if seam.name}
+
+
+def symbol(name: str) -> Any:
+    """The FastVideo class or function the seam called `name` names (e.g. "WanPipeline")."""
+    return _lookup(_BY_NAME[name])
 
 
 def _once(owner, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -296,6 +361,11 @@ def with_batch_extra(kwargs: dict, key: str, value) -> dict:
     return {**kwargs, "_extra_overrides": {**kwargs.get("_extra_overrides", {}), key: value}}
 
 
+def local_torch_device():
+    """This rank's device, as FastVideo's stages place tensors."""
+    return symbol("get_local_torch_device")()
+
+
 def denormalize_latents(stage, latents, fastvideo_args):
     """Latents as FastVideo's decode hands them to the VAE (`z * std + mean` for a Wan VAE)."""
     return stage._denormalize_latents(latents, fastvideo_args)
@@ -388,7 +458,8 @@ def close_cpu_gaps() -> bool:
 
     parallel_state.get_local_torch_device = get_local_torch_device
     for name, module in list(sys.modules.items()):  # modules that bound it with `from ... import`
-        if name.startswith("fastvideo") and getattr(module, "get_local_torch_device", None) is original_device_fn:
+        if (name == "fastvideo" or name.startswith("fastvideo.")) \
+                and getattr(module, "get_local_torch_device", None) is original_device_fn:
             module.get_local_torch_device = get_local_torch_device
 
     if "get_attn_backend_cls" not in CpuPlatform.__dict__:

@@ -1,14 +1,11 @@
 """The fast decoder inside FastVideo: every Wan VAE whose config says `decode_kernel=True` decodes through
 `vae_kernel.WanVAEDecoder` (docs/design.md, "The fast decoder in FastVideo").
 
-FastVideo's `WanVAEConfig` gets four fields (added by `adapter.add_config_fields` in every process that loads this
-plugin), off by default, set like any of its fields (Python: `pipeline_config.vae_config.decode_kernel = True`; CLI:
-`--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`):
-
-    decode_kernel: bool = False            # decode with the fast decoder
-    decode_frames_per_pass: int | str = "auto"   # latent frames per pass (memory vs speed; same video)
-    decode_tile_rows: int | None = None    # exact tiles of this many latent rows (single-rank decode)
-    decode_max_memory: int | str | None = None   # or the largest tile whose working memory fits this budget
+FastVideo's `WanVAEConfig` gets the switch `decode_kernel: bool = False` (decode with the fast decoder) and one field
+`decode_<name>` per decoder option (`vae_kernel.options.OPTIONS`: decode_frames_per_pass, decode_tile_rows,
+decode_max_memory, decode_backend, decode_conv_algorithm), added by `adapter.add_config_fields` in every process that
+loads this plugin, off by default, set like any of its fields (Python: `pipeline_config.vae_config.decode_kernel =
+True`; CLI: `--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`).
 
 FastVideo's `AutoencoderKLWan.decode(z)` (z de-normalized, as FastVideo's decoding stage hands it over) is routed here
 when the switch is on (`adapter.route_wan_vae_decode`); everything else about the pipeline is FastVideo's. When the
@@ -19,7 +16,6 @@ placeholder of the same shape, whose values are never used (FastVideo returns ra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -28,44 +24,36 @@ import weakref
 import torch
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.vae_kernel.architecture import video_shape
-from fastvideo_pan2_ext.vae_kernel.decoder import check_decode_options
+from fastvideo_pan2_ext.vae_kernel import options as decoder_options
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import video_shape
 
 from . import adapter
 
 logger = logging.getLogger(__name__)
 
-# The fields added to FastVideo's WanVAEConfig: name -> (type, default); the switch, then the options in
-# `check_decode_options`' order.
-CONFIG_FIELDS = {
-    "decode_kernel": (bool, False),
-    "decode_frames_per_pass": (int | str, "auto"),
-    "decode_tile_rows": (int | None, None),
-    "decode_max_memory": (int | str | None, None),
-}
+SWITCH = "decode_kernel"
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeOptions:
-    """The fast decoder's options, as a Wan VAE config holds them."""
-
-    frames_per_pass: int | str = "auto"
-    tile_rows: int | None = None
-    max_memory: int | str | None = None
-
-    @property
-    def tiled(self) -> bool:
-        return self.tile_rows is not None or self.max_memory is not None
+def config_field(option: str) -> str:
+    """The Wan VAE config field of a decoder option."""
+    return f"decode_{option}"
 
 
-def options(vae_config) -> DecodeOptions | None:
-    """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field)."""
-    values = [getattr(vae_config, name, CONFIG_FIELDS[name][1]) for name in CONFIG_FIELDS]
-    check_decode_options(*values[1:], enabled=values[0], names=tuple(f"vae_config.{name}" for name in CONFIG_FIELDS))
-    if values[0] and getattr(vae_config, "use_light_vae", False):
-        raise ValueError("vae_config.decode_kernel=True cannot decode a light VAE (vae_config.use_light_vae=True, "
-                         "a pruned Wan VAE the fast decoder does not implement); turn one of them off")
-    return DecodeOptions(*values[1:]) if values[0] else None
+# The fields added to FastVideo's WanVAEConfig: name -> (type, default).
+CONFIG_FIELDS = {SWITCH: (bool, False),
+                 **{config_field(o.name): (o.annotation, o.default) for o in decoder_options.OPTIONS}}
+
+
+def options(vae_config, prefix: str = "vae_config.") -> decoder_options.DecoderOptions | None:
+    """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field, as
+    `prefix` + its field name)."""
+    enabled = getattr(vae_config, SWITCH, False)
+    values = {o.name: getattr(vae_config, config_field(o.name), o.default) for o in decoder_options.OPTIONS}
+    opts = decoder_options.check(values, lambda name: prefix + config_field(name), prefix + SWITCH, enabled)
+    if enabled and getattr(vae_config, "use_light_vae", False):
+        raise ValueError(f"{prefix}{SWITCH}=True cannot decode a light VAE (vae_config.use_light_vae=True, a pruned "
+                         "Wan VAE the fast decoder does not implement); turn one of them off")
+    return opts if enabled else None
 
 
 # --------------------------------------------------------------------------------------------------- layouts
@@ -105,13 +93,12 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module
 def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
     group (its weights are prepared from the module's own)."""
-    opts = options(vae.config) or DecodeOptions()
+    opts = options(vae.config) or decoder_options.DecoderOptions()
     group = None if opts.tiled else adapter.decode_group()  # exact tiles are a single-rank decode
     key = (str(device), opts, id(group))
     cached = _decoders.get(vae)
     if cached is None or cached[0] != key:
-        decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, frames_per_pass=opts.frames_per_pass,
-                                tile_rows=opts.tile_rows, max_memory=opts.max_memory)
+        decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, **decoder_options.as_kwargs(opts))
         logger.info("fast VAE decoder: backend %s, frames_per_pass %s, tile_rows %s, max_memory %s, %s on %s",
                     decoder.backend, opts.frames_per_pass, opts.tile_rows, opts.max_memory,
                     "one rank" if group is None else "rows split over the ranks", device)

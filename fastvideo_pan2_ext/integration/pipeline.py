@@ -5,28 +5,27 @@ from __future__ import annotations
 import logging
 import os
 
-from fastvideo.pipelines.basic.wan.wan_pipeline import WanPipeline
-
 from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
 from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
 
+from . import adapter
 from .stages import PAN2DecodingStage, PAN2InputStage
 
 logger = logging.getLogger(__name__)
 
-REPLACED_STAGES = {"input_validation_stage": PAN2InputStage, "decoding_stage": PAN2DecodingStage}
+REPLACED_STAGES = {adapter.INPUT_STAGE: PAN2InputStage, adapter.DECODING_STAGE: PAN2DecodingStage}
 
 
-class PAN2Pipeline(WanPipeline):
+class PAN2Pipeline(adapter.symbol("WanPipeline")):
     """Wan2.2-TI2V's stages, with `PAN2InputStage` and `PAN2DecodingStage` in place of FastVideo's two."""
 
     pipeline_config_cls = PAN2PipelineConfig
     sampling_params_cls = PAN2SamplingParam
 
     def __init__(self, model_path, fastvideo_args, *args, **kwargs):
-        # Before the modules load: loading the DiT is what imports FastVideo's attention backends, which read
-        # FASTVIDEO_FA4 once.
+        # Where FastVideo's attention is about to be chosen: loading the DiT (below) is what imports FastVideo's
+        # attention backends, which read FASTVIDEO_FA4 once.
         set_here = apply_fa4_policy()
         logger.info("PAN2 attention policy: %s=%s (%s); FastVideo modules that read it already loaded: %s", ENV_VAR,
                     os.environ.get(ENV_VAR, "<unset>"), "set here" if set_here else "inherited or left as is",
@@ -35,9 +34,9 @@ class PAN2Pipeline(WanPipeline):
         super().__init__(model_path, fastvideo_args, *args, **kwargs)
 
     def add_stage(self, stage_name, stage):
-        if stage_name == "input_validation_stage":
+        if stage_name == adapter.INPUT_STAGE:
             stage = PAN2InputStage()
-        elif stage_name == "decoding_stage":
+        elif stage_name == adapter.DECODING_STAGE:
             stage = PAN2DecodingStage(vae=self.get_module("vae"), pipeline=self)
         if stage_name in REPLACED_STAGES:
             self.replaced_stages.add(stage_name)

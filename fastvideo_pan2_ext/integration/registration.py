@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 
-from fastvideo.fastvideo_args import WorkloadType
-
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
@@ -38,7 +36,7 @@ def register() -> None:
     adapter.close_cpu_gaps()
     adapter.register_pipeline_config(
         pipeline_config_cls=PAN2PipelineConfig, sampling_param_cls=PAN2SamplingParam,
-        workload_types=(WorkloadType.I2V, ), detector=looks_like_pan2, model_family=MODEL_FAMILY,
+        workload_types=(adapter.symbol("WorkloadType").I2V, ), detector=looks_like_pan2, model_family=MODEL_FAMILY,
         default_preset=PRESET_NAME, pipeline_cls_name=PIPELINE_CLASS_NAME)
     adapter.register_preset(PAN2_PRESET)
     adapter.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)

@@ -14,8 +14,6 @@ import logging
 import time
 
 import torch
-from fastvideo.distributed.parallel_state import get_local_torch_device
-from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
 from PIL import Image
 
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
@@ -26,7 +24,7 @@ from . import adapter, fast_decode, streamed_save
 logger = logging.getLogger(__name__)
 
 
-class PAN2InputStage(InputValidationStage):
+class PAN2InputStage(adapter.symbol("InputValidationStage")):
     """FastVideo's input validation, with PAN2's first-frame reading."""
 
     def forward(self, batch, fastvideo_args):
@@ -51,7 +49,7 @@ class PAN2InputStage(InputValidationStage):
         return batch
 
 
-class PAN2DecodingStage(DecodingStage):
+class PAN2DecodingStage(adapter.symbol("DecodingStage")):
     """FastVideo's decoding stage (whose VAE decodes through the fast decoder when it is switched on), and the
     streamed save."""
 
@@ -62,7 +60,7 @@ class PAN2DecodingStage(DecodingStage):
             return super().forward(batch, fastvideo_args)
         if fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
-        latents = adapter.denormalize_latents(self, batch.latents.to(get_local_torch_device()), fastvideo_args)
+        latents = adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
         write_while_decoding(self.vae, latents, request)
         _, _, _, height, width = fast_decode.decoder_for(self.vae, latents.device).output_shape(latents)
         batch.output = streamed_save.empty_output(latents.shape[0], height, width)

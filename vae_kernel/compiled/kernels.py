@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from . import ops, winograd
+from ..portable import ops, winograd
 
 
 def winograd_kernel_weights(w: torch.Tensor) -> torch.Tensor:

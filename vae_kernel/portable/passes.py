@@ -16,11 +16,11 @@ from typing import Iterator
 
 import torch
 
-from .architecture import WanVAEConfig, video_frames
-from .bands import LocalRows
+from ..definitions.architecture import WanVAEConfig, video_frames
+from ..distributed.bands import LocalRows
 from .network import DecodeState, NetworkPass, Tile
 from .ops import Ops
-from .precision import own_arithmetic
+from ..definitions.precision import own_arithmetic
 
 _PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
 

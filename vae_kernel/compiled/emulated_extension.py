@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import winograd
+from ..portable import winograd
 
 # Pseudo-architectures that `extension.open_extension` answers with an emulated extension (CPU rehearsals): a correct
 # one, one outside the allowance, one whose first kernel call kills its process.

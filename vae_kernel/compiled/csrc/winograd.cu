@@ -1,4 +1,4 @@
-// Winograd F(2x2, 3x3) for the causal (kt, 3, 3) convs, mirroring vae_kernel/winograd.py rounding point for rounding
+// Winograd F(2x2, 3x3) for the causal (kt, 3, 3) convs, mirroring vae_kernel/portable/winograd.py rounding point for rounding
 // point: V = B^T d B and Y = A^T M A are fp32 adds in the portable definition's order (no FMA can form: there are no
 // products), V is rounded to bf16 once, the component products are bf16 GEMMs with fp32 accumulation (taps added in
 // fp32 through the epilogue's C operand), and Y + bias + residual is rounded to bf16 once, on store.

@@ -61,7 +61,7 @@ const char* subpixel_scatter_bf16(const void* y, void* out, int64_t m, int hi, i
                                   int64_t out_frame_stride, cudaStream_t stream);
 
 // Winograd F(2x2, 3x3) for a (kt, 3, 3) conv, valid in time and rows, zero padding 1 in width (winograd.cu; the
-// definition and its rounding points: vae_kernel/winograd.py). Three steps per sample (and band of tile rows):
+// definition and its rounding points: vae_kernel/portable/winograd.py). Three steps per sample (and band of tile rows):
 //   input transform   x [ti, hi, w, ci] -> V [16, ti, P, ci] bf16, P = ceil((hi - 2) / 2) * ceil(w / 2) tiles
 //   products          M [16, to, P, co] fp32 = sum over taps t of V[:, t : t + to] @ U[t]^T, to = ti - kt + 1
 //   output transform  M -> out [to, ho, w, co] bf16 (+ bias, + residual), P = ceil(ho / 2) * ceil(w / 2)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
-from .precision import own_arithmetic
+from ..definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
+from ..definitions.precision import own_arithmetic
 
 # Taps of nearest-2x + 3x3 conv seen from the low-resolution input: output phase a reads low-res offsets (a - 1, a)
 # with kernel rows combined as below (phase 0: w0 | w1 + w2; phase 1: w0 + w1 | w2).

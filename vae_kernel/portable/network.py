@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .bands import LocalRows
+from ..distributed.bands import LocalRows
 from .ops import Ops
 
 

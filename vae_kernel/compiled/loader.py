@@ -20,7 +20,7 @@ import torch
 
 from .extension import CompiledUnavailable, arch_for_device, open_extension
 from .kernels import make_ops
-from .ops import Ops
+from ..portable.ops import Ops
 from .verification import verify_build_isolated, verify_ops
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import torch
 from . import build
 from .extension import CompiledUnavailable, open_extension
 from .kernels import make_ops
-from .ops import Ops
+from ..portable.ops import Ops
 from .selfcheck import CaseResult, self_check
 
 logger = logging.getLogger(__name__)

@@ -22,14 +22,14 @@ import torch.nn.functional as F
 
 from fastvideo_pan2_ext import reference
 
-from . import weights as weights_mod
-from .allowance import AllowanceReport, compare_to_reference
-from .architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
-from .bands import LocalRows
-from .network import DecodeState, NetworkPass
-from .ops import RMS_EPS, TORCH_OPS, Ops
-from .passes import PassRunner, collect
-from .precision import exact_fp32
+from ..portable import weights as weights_mod
+from ..definitions.allowance import AllowanceReport, compare_to_reference
+from ..definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
+from ..distributed.bands import LocalRows
+from ..portable.network import DecodeState, NetworkPass
+from ..portable.ops import RMS_EPS, TORCH_OPS, Ops
+from ..portable.passes import PassRunner, collect
+from ..definitions.precision import exact_fp32
 
 SUPPORTED_CONFIGS = (WAN22_CONFIG, WAN21_CONFIG)  # the real decoders whose every op shape the self-check covers
 

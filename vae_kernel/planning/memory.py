@@ -22,10 +22,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bands import LocalRows
-from .network import DecodeState, NetworkPass, Tile
-from .ops import Ops
-from .passes import latent_passes, pass_video_frames, row_tiles
+from ..distributed.bands import LocalRows
+from ..portable.network import DecodeState, NetworkPass, Tile
+from ..portable.ops import Ops
+from ..portable.passes import latent_passes, pass_video_frames, row_tiles
 
 _SCRATCH_COPIES = 2
 AUTO = "auto"

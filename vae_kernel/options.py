@@ -1,0 +1,145 @@
+"""The fast decoder's options, defined once (docs/design.md, "Options").
+
+Each option is a name, a type, a default, what it means and its check. From this table come `WanVAEDecoder`'s keyword
+arguments, the fields FastVideo's Wan VAE config gets (`decode_<name>`, beside the `decode_kernel` switch), PAN2's
+switches (`vae_decode_<name>`, views of its Wan VAE config), the decode command's flags (`--frames-per-pass`, ...) and
+the options `enable_fast_decode` takes. A new option is a new row here (and the code that honours it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .planning.memory import AUTO, parse_bytes
+from .portable.ops import Ops
+
+BACKENDS = ("auto", "cuda", "torch")
+CONV_ALGORITHMS = ("auto", "direct", "winograd")
+
+
+def _check_frames_per_pass(label: str, value) -> None:
+    if not (value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
+        raise ValueError(f"{label} must be 'auto' or an int >= 1; got {value!r}")
+
+
+def _check_tile_rows(label: str, value) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{label} must be an int >= 1 (latent rows per tile) or None; got {value!r}")
+
+
+def _check_max_memory(label: str, value) -> None:
+    if value is not None:
+        parse_bytes(value, label)
+
+
+def _check_backend(label: str, value) -> None:
+    if not isinstance(value, Ops) and value not in BACKENDS:
+        raise ValueError(f"{label} must be one of {list(BACKENDS)}; got {value!r}")
+
+
+def _check_conv_algorithm(label: str, value) -> None:
+    if value not in CONV_ALGORITHMS:
+        raise ValueError(f"{label} must be one of {list(CONV_ALGORITHMS)}; got {value!r}")
+
+
+def _count_or_auto(text: str) -> int | str:
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _count_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _bytes_or_none(text: str) -> int | str | None:
+    return None if text.lower() == "none" else int(text) if text.isdigit() else text
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    annotation: Any
+    default: Any
+    meaning: str
+    check: Callable[[str, Any], None]  # ValueError naming `label` when the value is wrong
+    from_text: Callable[[str], Any] = str  # a command line's spelling -> the value (then checked)
+
+
+OPTIONS = (
+    Option("frames_per_pass", int | str, AUTO, "latent frames per pass (memory vs speed; the same video), or 'auto': "
+           "the most that fit the memory (planning.memory.choose_plan)", _check_frames_per_pass, _count_or_auto),
+    Option("tile_rows", int | None, None, "decode in exact tiles of this many latent rows, one after another (the "
+           "same video, less memory; one rank)", _check_tile_rows, _count_or_none),
+    Option("max_memory", int | str | None, None, "or let the decoder pick, per latent shape, the largest tile whose "
+           "working memory fits this budget (bytes, or a string such as '8GiB'; one rank)", _check_max_memory,
+           _bytes_or_none),
+    Option("backend", str, "auto", "'auto' (compiled kernels where built and self-checked, else portable), 'cuda' "
+           "(compiled or an error), 'torch' (portable, CPU too)", _check_backend),
+    Option("conv_algorithm", str, "auto", "the 3x3 spatial convs 'direct', by 'winograd' F(2x2, 3x3), or 'auto' (per "
+           "layer, as measured for the GPU; direct elsewhere)", _check_conv_algorithm),
+)
+NAMES = tuple(option.name for option in OPTIONS)
+DEFAULTS = {option.name: option.default for option in OPTIONS}
+
+DecoderOptions = dataclasses.make_dataclass(
+    "DecoderOptions", [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in OPTIONS], frozen=True,
+    namespace={"__doc__": "The fast decoder's options (see `OPTIONS`), checked.",
+               "tiled": property(lambda self: self.tile_rows is not None or self.max_memory is not None)})
+
+
+def as_kwargs(options: DecoderOptions) -> dict[str, Any]:
+    """`options` as the keyword arguments of `WanVAEDecoder`."""
+    return {name: getattr(options, name) for name in NAMES}
+
+
+def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: str | None = None,
+          enabled: bool = True) -> DecoderOptions:
+    """`values` (a subset of the options; the rest default) as DecoderOptions, or a ValueError naming the first bad
+    one as the caller calls it (`label(name)`). `switch`/`enabled`: the caller's switch that turns the fast decoder on
+    (tiling options without it are an error: nothing else tiles exactly)."""
+    unknown = sorted(set(values) - set(NAMES))
+    if unknown:
+        raise ValueError(f"unknown decoder option(s) {', '.join(label(n) for n in unknown)}; the options are "
+                         f"{', '.join(label(n) for n in NAMES)}")
+    if switch is not None and not isinstance(enabled, bool):
+        raise ValueError(f"{switch} must be a bool; got {enabled!r}")
+    for option in OPTIONS:
+        if option.name in values:
+            option.check(label(option.name), values[option.name])
+    options = DecoderOptions(**values)
+    if options.tile_rows is not None and options.max_memory is not None:
+        raise ValueError(f"set {label('tile_rows')} or {label('max_memory')}, not both: the budget picks the tile")
+    if options.tiled and not enabled:
+        raise ValueError(f"{label('tile_rows')} / {label('max_memory')} tile the fast decoder: set {switch}=True "
+                         "(FastVideo's own Wan VAE decode has no exact tiling)")
+    return options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option as a command-line flag (`--frames-per-pass`, ...), default: the option's."""
+    for option in OPTIONS:
+        flag = "--" + option.name.replace("_", "-")
+        parser.add_argument(flag, dest=option.name, default=option.default, type=argparse_type(option.name),
+                            help=f"{option.meaning} (default: {option.default})")
+
+
+def from_arguments(namespace: argparse.Namespace) -> DecoderOptions:
+    return check({name: getattr(namespace, name) for name in NAMES}, lambda n: "--" + n.replace("_", "-"))
+
+
+def argparse_type(name: str) -> Callable[[str], Any]:
+    """The argparse type of option `name`: a command line's spelling, checked."""
+    option = OPTIONS[NAMES.index(name)]
+
+    def parse(text: str):
+        value = option.from_text(text)
+        try:
+            option.check(option.name, value)  # argparse names the flag before the message
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    parse.__name__ = option.name  # argparse names the type in its error
+    return parse
