@@ -1,4 +1,4 @@
-"""The build cache runs only native code this user built (vae_kernel/build.py, "Trust"), with real file modes and
+"""The build cache runs only native code this user built (vae_kernel/compiled/build.py, "Trust"), with real file modes and
 owners: planted entries are real builds of another variant of a tiny C++ extension, with a manifest that matches
 them, handed to another uid (65534, "nobody") by `os.chown`; every builder is a real process.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel.compiled import build
 
 pytestmark = [pytest.mark.slow,  # real compiles
               pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another uid needs root (as in CI)")]
@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
 BUILDER = """
 import json, os, sys
 os.umask(int(sys.argv[4], 8))
-from fastvideo_pan2_ext.vae_kernel import build
+from fastvideo_pan2_ext.vae_kernel.compiled import build
 root = None if sys.argv[1] == "-" else sys.argv[1]
 spec = build.ExtensionSpec(name="tiny_trust_ext", sources=(sys.argv[2],), extra_cflags=(f"-DTINY_OFFSET={sys.argv[3]}",))
 module = build.load_extension(spec, root=root)

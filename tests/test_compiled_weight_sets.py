@@ -11,13 +11,14 @@ import gc
 
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import kernels, weights
-from fastvideo_pan2_ext.vae_kernel.architecture import video_shape
-from fastvideo_pan2_ext.vae_kernel.bands import LocalRows
-from fastvideo_pan2_ext.vae_kernel.emulated_extension import EmulatedExtension
-from fastvideo_pan2_ext.vae_kernel.passes import PassRunner, collect
-from fastvideo_pan2_ext.vae_kernel.selfcheck import DECODE_CHECK_CONFIG as CONFIG
-from fastvideo_pan2_ext.vae_kernel.selfcheck import random_weights
+from fastvideo_pan2_ext.vae_kernel.compiled import kernels
+from fastvideo_pan2_ext.vae_kernel.portable import weights
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import video_shape
+from fastvideo_pan2_ext.vae_kernel.distributed.bands import LocalRows
+from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import EmulatedExtension
+from fastvideo_pan2_ext.vae_kernel.portable.passes import PassRunner, collect
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import DECODE_CHECK_CONFIG as CONFIG
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights
 
 # The self-check's narrow Wan2.2-layout decoder: its three sub-pixel convs are where the table derives a 4x bias.
 LATENTS = (1, CONFIG.z_dim, 2, 2, 3)

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import build, extension, kernels, selfcheck
+from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, kernels, selfcheck
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
               pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine")]

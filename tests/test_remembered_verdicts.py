@@ -1,4 +1,4 @@
-"""Self-check verdicts across processes (vae_kernel/verification.py): a failure is remembered, so later processes
+"""Self-check verdicts across processes (vae_kernel/compiled/verification.py): a failure is remembered, so later processes
 refuse the compiled backend without running the failing check again; a verdict another user could have written is
 not believed. The emulated extensions stand in for builds ("emulated-wrong" is outside the allowance,
 "emulated-abort" kills its process at the first kernel call); every process and self-check child here is real, and
@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from fastvideo_pan2_ext.vae_kernel import build, verification
-from fastvideo_pan2_ext.vae_kernel.emulated_extension import VARIANTS, EmulatedExtension
-from fastvideo_pan2_ext.vae_kernel.extension import CompiledUnavailable
+from fastvideo_pan2_ext.vae_kernel.compiled import build, verification
+from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS, EmulatedExtension
+from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 
 pytestmark = pytest.mark.slow  # each self-check child takes 10-20 s here
 
@@ -31,8 +31,8 @@ children = []
 sys.addaudithook(lambda event, args: children.append(1)
                  if event == "subprocess.Popen" and any("child_main" in str(a) for a in args[1]) else None)
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
-from fastvideo_pan2_ext.vae_kernel import loader
-from fastvideo_pan2_ext.vae_kernel.extension import CompiledUnavailable
+from fastvideo_pan2_ext.vae_kernel.compiled import loader
+from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 errors = []
 for _ in range(2):
     try:

@@ -205,7 +205,7 @@ def audit(video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> di
 def _rank_worker(rank: int, world: int, tmp: str, spec: dict) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -336,7 +336,7 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
 def fast_decoders(sd_on_device: dict, args, device: torch.device) -> dict:
     """(backend, conv_algorithm) -> a single-rank WanVAEDecoder, one per distinct op table (on CPU "auto" is "direct",
     so asking for both times it once)."""
-    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
 
     decoders, tables = {}, set()
     for backend in args.backends:

@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # `python tools/winograd_error.py`: make the repo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder# noqa: E402
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import (  # noqa: E402
     ALLOWANCE, VIDEO_PEAK_TO_PEAK, compare_to_reference, psnr_db)
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
