@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
 from fastvideo_pan2_ext import reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification# noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
