@@ -54,7 +54,7 @@ def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_s
     z, expected = plain
     budget = int(1.3 * decoder.peak_bytes(SHAPE, 3)) + 1
     limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
-    chosen = limited.plan_tile_rows(SHAPE)
+    chosen = limited.plan(SHAPE).tile_rows
     assert chosen is not None and chosen >= 3
     assert 1.3 * limited.peak_bytes(SHAPE, chosen + 1) > budget  # the next size would not fit
     video, measured = _working_peak(limited, z, expected.numel() * 2)
@@ -66,7 +66,7 @@ def test_max_memory_streams_in_tiles_exactly_and_within_budget(wan22_state_dict,
     z, expected = plain
     budget = int(1.3 * decoder.peak_bytes(SHAPE, 4, stream=True)) + 1
     limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
-    assert limited.plan_tile_rows(SHAPE, stream=True) is not None
+    assert limited.plan(SHAPE, stream=True).tile_rows is not None
     with LiveBytes() as tracker:
         for b, frame, chunk in limited.decode_iter(z):
             assert torch.equal(chunk, expected[b:b + 1, :, frame:frame + chunk.shape[2]])
@@ -76,7 +76,7 @@ def test_max_memory_streams_in_tiles_exactly_and_within_budget(wan22_state_dict,
 
 def test_max_memory_that_fits_the_whole_frame_decodes_untiled(wan22_state_dict, decoder):
     roomy = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="1GiB")
-    assert roomy.plan_tile_rows(SHAPE) is None and roomy.plan_tile_rows(SHAPE, stream=True) is None
+    assert roomy.plan(SHAPE).tile_rows is None and roomy.plan(SHAPE, stream=True).tile_rows is None
 
 
 def test_max_memory_too_small_for_one_row_tiles_names_budget_and_minimum(wan22_state_dict, decoder, plain):

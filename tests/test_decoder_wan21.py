@@ -104,7 +104,7 @@ def test_wan21_max_memory_picks_exact_tiles(wan21_state_dict, plain_decodes):
     probe = _decoder(wan21_state_dict)
     budget = int(probe.peak_bytes(TILED_SHAPE, tile_rows=3) * 1.31)  # the planner's headroom is 1.3
     decoder = _decoder(wan21_state_dict, max_memory=budget)
-    assert decoder.plan_tile_rows(TILED_SHAPE) in range(3, TILED_SHAPE[3])
+    assert decoder.plan(TILED_SHAPE).tile_rows in range(3, TILED_SHAPE[3])
     assert torch.equal(decoder.decode(z), expected)
 
 

@@ -9,20 +9,24 @@ table runs: portable or compiled). This module validates input, chooses among th
 
 from __future__ import annotations
 
+import logging
 import math
+import traceback
 from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import options as options_mod
+from .backends import select_ops
+from .definitions.architecture import check_latents, video_shape
+from .distributed.agreement import DecodeRequest, agree, gather_ints, supported_dtype
+from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows, split_rows
 from .planning import memory
 from .portable import weights as weights_mod
-from .distributed.agreement import DecodeRequest, agree, supported_dtype
-from .definitions.architecture import check_latents, video_shape
-from .backends import select_ops
-from .distributed.bands import LocalRows, RankRows, split_rows
-from .portable.passes import Chunk, PassRunner, collect
+from .portable.passes import Chunk, PassRunner, latent_passes
+
+logger = logging.getLogger(__name__)
 
 
 def _resolve_device(device) -> torch.device:
@@ -43,6 +47,47 @@ class DecodePlan(NamedTuple):
 
     frames_per_pass: int
     tile_rows: int | None
+
+    def __str__(self) -> str:
+        frames = f"{self.frames_per_pass} latent frame{'s' if self.frames_per_pass > 1 else ''} per pass"
+        if self.tile_rows is None:
+            return f"{frames}, untiled"
+        return f"{frames} in tiles of {self.tile_rows} latent row{'s' if self.tile_rows > 1 else ''}"
+
+    def size(self) -> tuple[int, float]:
+        """The order of plans (a smaller plan holds less): frames per pass, then tile rows (untiled largest)."""
+        return self.frames_per_pass, math.inf if self.tile_rows is None else self.tile_rows
+
+
+class DecodeOutOfMemoryError(torch.OutOfMemoryError):
+    """A decode ran out of memory at every plan it tried, the smallest included (`plans`: each, in order)."""
+
+    def __init__(self, message: str, plans: tuple[DecodePlan, ...]) -> None:
+        super().__init__(message)
+        self.plans = plans
+
+
+class DecodeRestart(torch.OutOfMemoryError):
+    """`decode_iter` ran out of memory after it had yielded chunks, which cannot be taken back: the consumer discards
+    what it received and iterates `decode_iter(latents)` again, which decodes from the first frame at `plan` (the
+    decoder keeps it for latents of this shape). Raised on every rank of a group alike."""
+
+    def __init__(self, message: str, plan: DecodePlan) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+class _AttemptFailed(Exception):
+    """One decode attempt failed on some rank (internal): `status` (OUT_OF_MEMORY or FAILED), the group ranks that
+    failed, this rank's own error if it is one of them, and the out-of-memory message."""
+
+    def __init__(self, status: int, ranks: list[int], error: BaseException | None, text: str, yielded: bool) -> None:
+        super().__init__(text)
+        self.status, self.ranks, self.error, self.text, self.yielded = status, ranks, error, text, yielded
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 class WanVAEDecoder:
@@ -84,6 +129,11 @@ class WanVAEDecoder:
         self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
         self.last_plan: DecodePlan | None = None  # what the latest decode or decode_iter ran (the ranks' agreed plan)
+        # The plans the latest decode (or decode_iter, over its restarts) ran out of memory at, in order
+        # (docs/design.md, "Out-of-memory retries"); empty when the first plan held.
+        self.last_retries: tuple[DecodePlan, ...] = ()
+        self._ceilings: dict[tuple, DecodePlan] = {}  # (T, h, w, stream) -> the plan a retry chose: plans stay below
+        self._tried: dict[tuple, list[DecodePlan]] = {}  # plans that ran out of memory, across decode_iter restarts
         if opts.tile_rows is not None:
             self.enable_tiling(opts.tile_rows)
         if opts.max_memory is not None:
@@ -129,16 +179,16 @@ class WanVAEDecoder:
             frames_per_pass = self.plan(shape, stream).frames_per_pass
         return self._planner.peak_bytes(shape, frames_per_pass, tile_rows, stream)
 
-    def plan_tile_rows(self, latents_shape, stream: bool = False) -> int | None:
-        """The tile `decode` (or, stream=True, `decode_iter`) uses for latents of `latents_shape`: with max_memory,
-        None (untiled) when the plain decode fits, else the largest tile_rows that fits; ValueError when even
-        one-row tiles do not fit."""
-        return self.plan(latents_shape, stream).tile_rows
-
     def plan(self, latents_shape, stream: bool = False) -> DecodePlan:
         """How `decode` (or, stream=True, `decode_iter`) decodes latents of `latents_shape` on this rank now (with
-        "auto", the free device memory is read at each call); ValueError when `max_memory` cannot be met."""
+        "auto", the free device memory is read at each call); ValueError when `max_memory` cannot be met. Never
+        larger than a plan an earlier decode of this shape retried at after running out of memory."""
         shape = self._shape(latents_shape)
+        planned = self._plan(shape, stream)
+        ceiling = self._ceilings.get((shape[2:], stream))
+        return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
+
+    def _plan(self, shape, stream: bool) -> DecodePlan:
         if self.frames_per_pass != memory.AUTO:
             return DecodePlan(self.frames_per_pass, self._tile_rows_for(shape, stream, self.frames_per_pass))
         if self.max_memory is not None:  # the largest setting that decodes untiled within budget, else tiles at 1
@@ -232,19 +282,163 @@ class WanVAEDecoder:
         writes them out never holds the whole video. Input errors raise here, before the first chunk. With tiling
         (`tile_rows` / `max_memory`) every pass runs tile after tile, each tile keeping its own causal history, so the
         chunks are the same, the activations are one tile's, and the histories are the whole frame's (plus margins):
-        `peak_bytes(shape, n, stream=True)`."""
-        plan, rows = self._start(latents, stream=True)
-        if plan.tile_rows is not None:
-            return self._runner(plan).iter_tiles(latents, plan.tile_rows)
-        if not rows.active:
-            return iter(())
-        return self._runner(plan).iter_bands(latents, rows)
+        `peak_bytes(shape, n, stream=True)`.
+        Out of memory before the first chunk: retried at a smaller plan, unseen. After it: `DecodeRestart` (every
+        rank), and iterating `decode_iter(latents)` again decodes from the first frame at the smaller plan."""
+        start = self._start(latents, stream=True)
+        return self._attempts(latents, True, start)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
-        """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None."""
-        plan, rows = self._start(latents, stream=False)
-        if plan.tile_rows is not None:
-            video = torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device)
-            return self._runner(plan).decode_tiles(latents, video, plan.tile_rows)
-        chunks = self._runner(plan).iter_bands(latents, rows) if rows.active else iter(())
-        return collect(chunks, self.output_shape(latents), self.device)
+        """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None.
+        Out of memory: retried from the start at a smaller plan (the same video); `DecodeOutOfMemoryError` when the
+        smallest plan fails too."""
+        start = self._start(latents, stream=False)
+        video: list[torch.Tensor] = []  # allocated inside each attempt, so that its failure is heard by the group
+        for b, frame, chunk in self._attempts(latents, False, start, video):
+            if chunk is not None:
+                video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # copies allocate nothing
+        return video[0] if video else None
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Out-of-memory retries (docs/design.md, "Out-of-memory retries")
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _attempt(self, latents, plan: DecodePlan, rows: LocalRows, stream: bool, video: list | None):
+        """One attempt's chunks. decode (video is a list): the video is allocated here on the root, and tiles are
+        decoded into it before anything is yielded."""
+        runner = self._runner(plan)
+        if video is not None and rows.is_root:
+            video.clear()
+            video.append(torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device))
+        if plan.tile_rows is None:
+            return runner.iter_bands(latents, rows) if rows.active else iter(())
+        if stream:
+            return runner.iter_tiles(latents, plan.tile_rows)
+        runner.decode_tiles(latents, video[0], plan.tile_rows)
+        return iter(())
+
+    def _attempts(self, latents, stream: bool, start, video: list | None = None) -> Iterator[Chunk]:
+        """Every attempt of one decode: each runs from the start at its plan; the ranks of a group settle each one
+        together (`_settle`)."""
+        key = (tuple(latents.shape[2:]), stream)
+        tried = self._tried.setdefault(key, [])
+        yielded = False
+        plan, rows = start
+        while True:
+            chunks = error = None
+            try:
+                try:
+                    chunks = self._attempt(latents, plan, rows, stream, video)
+                    remaining = 0 if not rows.active or plan.tile_rows is not None and not stream else \
+                        latents.shape[0] * len(latent_passes(latents.shape[2], plan.frames_per_pass))
+                    for item in chunks:
+                        remaining -= 1
+                        yielded = stream  # decode's own chunks are copied again by the retry: only decode_iter's count
+                        yield item
+                except GeneratorExit:  # the consumer stopped: the group hears of it unless every chunk was out
+                    status = OK if remaining <= 0 else FAILED
+                    self._finish(rows, status)
+                    try:
+                        self._settle(rows, status, None, False)
+                    except _AttemptFailed:
+                        pass
+                    raise
+                self._finish(rows, OK)
+                self._settle(rows, OK, None, yielded)
+                break
+            except _AttemptFailed as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - the group must hear of any failure (re-raised below)
+                error = exc
+            finally:
+                if chunks is not None and hasattr(chunks, "close"):
+                    chunks.close()  # drops the attempt's tensors
+                chunks = None
+            if video:
+                video.clear()
+            failed = self._failure(error, rows, yielded)
+            error = None
+            if failed.error is not None:
+                raise failed.error
+            if failed.status == FAILED:
+                raise RuntimeError(f"rank {failed.ranks[0]} of the decode group failed while decoding; see that "
+                                   f"rank's error")
+            plan, rows = self._retry(latents, stream, key, tried, plan, rows, failed)
+        self.last_retries = tuple(tried)
+        tried.clear()
+
+    def _finish(self, rows: LocalRows, status: int) -> None:
+        """The status round after this rank's last exchange, or in place of its next one after a failure (a peer's
+        failure heard here is settled next)."""
+        if isinstance(rows, RankRows) and rows.active:
+            try:
+                rows.check_peers(status)
+            except PeerFailed:
+                pass
+
+    def _settle(self, rows: LocalRows, status: int, own: BaseException | None, yielded: bool) -> None:
+        """Every rank's own status of the attempt (OK on a rank that only heard of a failure), the idle ranks' too:
+        _AttemptFailed on every rank when any failed."""
+        text = "" if own is None else _first_line(own)
+        if not isinstance(rows, RankRows):
+            if status != OK:
+                raise _AttemptFailed(status, [0], own if status == FAILED else None, text, yielded)
+            return
+        everyone = gather_ints(rows.pg, rows.comm_device, [status, int(yielded)])
+        worst = max(s for s, _ in everyone)
+        if worst == OK:
+            return
+        ranks = [r for r, (s, _) in enumerate(everyone) if s == worst]
+        raise _AttemptFailed(worst, ranks, own if status == FAILED else None,
+                             text or f"rank {ranks[0]} ran out of memory", any(y for _, y in everyone))
+
+    def _failure(self, error: BaseException, rows: LocalRows, yielded: bool) -> _AttemptFailed:
+        """What a failed attempt means for every rank (after its status round and the group's settling)."""
+        if isinstance(error, _AttemptFailed):
+            return error
+        if isinstance(error, PeerFailed):  # heard at an exchange (whose status round it was): this rank is well
+            status, error = OK, None
+        else:
+            status = OUT_OF_MEMORY if isinstance(error, torch.OutOfMemoryError) else FAILED
+            if status == OUT_OF_MEMORY:
+                traceback.clear_frames(error.__traceback__)  # the attempt's tensors live in those frames
+                error = error.with_traceback(None)
+            self._finish(rows, status)
+        try:
+            self._settle(rows, status, error, yielded)
+        except _AttemptFailed as failed:
+            return failed
+        raise AssertionError("a failed attempt settled as a success")  # unreachable: a rank reported its failure
+
+    def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan, rows: LocalRows,
+               failure: _AttemptFailed) -> tuple[DecodePlan, LocalRows]:
+        """After an out-of-memory attempt (on any rank): release what it held, choose the plan below it (the ranks
+        take the smallest any of them proposes), warn, and start again (or raise when no smaller plan is left)."""
+        text, yielded = failure.text, failure.yielded
+        tried.append(failed)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = self._band_shape(tuple(latents.shape))
+        smaller = self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
+                                           may_tile=self.pg is None)
+        if self.pg is not None:
+            proposals = [p for p, _ in gather_ints(self.pg, rows.comm_device,
+                                                   [0 if smaller is None else smaller[0], 0])]
+            smaller = None if 0 in proposals else (min(proposals), None)
+        if smaller is None:
+            plans = "; ".join(str(p) for p in tried)
+            self.last_retries = tuple(tried)
+            tried.clear()
+            raise DecodeOutOfMemoryError(f"the VAE decode of latents {list(latents.shape)} ran out of memory at every "
+                                         f"plan it tried, the smallest included: {plans} ({text})",
+                                         tuple(self.last_retries)) from None
+        smaller = DecodePlan(*smaller)
+        self._ceilings[key] = smaller
+        if yielded:
+            logger.warning("VAE decode ran out of memory at %s after it had yielded frames; decode_iter restarts "
+                           "from the first frame at %s (%s)", failed, smaller, text)
+            raise DecodeRestart(f"decode_iter ran out of memory at {failed} after it had yielded frames: discard them "
+                                f"and iterate decode_iter again, which decodes at {smaller} ({text})", smaller)
+        logger.warning("VAE decode ran out of memory at %s; decoding again from the start at %s, the same video (%s)",
+                       failed, smaller, text)
+        return self._start(latents, stream)

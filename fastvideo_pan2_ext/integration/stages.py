@@ -11,13 +11,10 @@
 from __future__ import annotations
 
 import logging
-import time
 
-import torch
 from PIL import Image
 
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
-from fastvideo_pan2_ext.video_io import write_grid_stream
 
 from . import adapter, fast_decode, streamed_save
 
@@ -61,23 +58,7 @@ class PAN2DecodingStage(adapter.symbol("DecodingStage")):
         if fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
         latents = adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
-        write_while_decoding(self.vae, latents, request)
+        streamed_save.write_while_decoding(self.vae, latents, request)
         _, _, _, height, width = fast_decode.decoder_for(self.vae, latents.device).output_shape(latents)
         batch.output = streamed_save.empty_output(latents.shape[0], height, width)
         return batch
-
-
-@torch.no_grad()
-def write_while_decoding(vae, latents: torch.Tensor, request: streamed_save.StreamedSaveRequest) -> None:
-    """Decode with the fast decoder of `vae` and write the video to `request.path` as it comes (a batch side by side,
-    as FastVideo saves one). Every rank of the decode group decodes its rows; rank 0 writes."""
-    decoder = fast_decode.decoder_for(vae, latents.device)
-    chunks = [fast_decode.iter_decode(vae, latents[b:b + 1]) for b in range(latents.shape[0])]
-    start = time.perf_counter()
-    if not decoder.is_root:
-        for _ in zip(*chunks):  # in step with rank 0's writer: each step is one collective decode pass
-            pass
-        return
-    frames = write_grid_stream(chunks, request.path, request.fps)
-    logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, request.path,
-                time.perf_counter() - start)

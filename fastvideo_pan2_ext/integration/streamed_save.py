@@ -14,21 +14,27 @@ parent's `* 255` copy). For a PAN2 request that saves its video, that step is wr
 - Otherwise FastVideo saves, into `video_io.partial_path(target)`.
 
 Either way the video is written beside its target under a partial name and renamed into place only when complete; a
-failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs it.
+failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs it. A
+streamed decode that runs out of memory after its first frames were written starts the file again at the decoder's
+smaller plan (`WanVAEDecoder.decode_iter`'s `DecodeRestart`): the partial file is discarded and rewritten, so the
+target only ever receives the whole video.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_count, check_videos_per_request
-from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path
+from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
+from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path, write_grid_stream
 
 from . import adapter, fast_decode
 
@@ -58,6 +64,32 @@ def empty_output(batch_size: int, height: int, width: int) -> torch.Tensor:
     tensor, and with its own save off and no frames returned it reads nothing of it but the geometry; the frames are
     in the file (F = 0)."""
     return torch.empty((batch_size, 3, 0, height, width))
+
+
+@torch.no_grad()
+def write_while_decoding(vae, latents: torch.Tensor, request: StreamedSaveRequest) -> None:
+    """Decode with the fast decoder of `vae` and write the video to `request.path` as it comes (a batch side by side,
+    as FastVideo saves one). Every rank of the decode group decodes its rows; rank 0 writes. A `DecodeRestart`
+    (out of memory after frames were written: raised on every rank alike) discards the partial file and starts
+    again, the decoder now at its smaller plan."""
+    decoder = fast_decode.decoder_for(vae, latents.device)
+    start = time.perf_counter()
+    while True:
+        chunks = [fast_decode.iter_decode(vae, latents[b:b + 1]) for b in range(latents.shape[0])]
+        try:
+            if not decoder.is_root:
+                for _ in itertools.zip_longest(*chunks):  # in step with rank 0's writer: one collective pass a step
+                    pass
+                return
+            frames = write_grid_stream(chunks, request.path, request.fps)  # removes its partial file on an error
+            break
+        except DecodeRestart:
+            logger.warning("PAN2 decode: %s restarts at the decoder's smaller plan", request.path)
+        finally:
+            for stream in chunks:  # in the same order on every rank: a stream closed midway tells the group
+                stream.close()
+    logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, request.path,
+                time.perf_counter() - start)
 
 
 def streams(fastvideo_args, sampling_param) -> bool:

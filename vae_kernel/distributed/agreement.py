@@ -69,3 +69,12 @@ def agree(pg, comm_device: torch.device, mine: DecodeRequest, error: str | None)
             raise ValueError(f"ranks disagree about the decode: rank {rank} has {theirs}; this rank has {mine}; "
                              "every rank must pass the same latents")
     return min(request.planned_frames_per_pass for request in requests)
+
+
+def gather_ints(pg, comm_device: torch.device, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (the same count on each), in group rank order: how the ranks settle a decode attempt
+    (docs/design.md, "Out-of-memory retries")."""
+    mine = torch.tensor(values, dtype=torch.int64, device=comm_device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(everyone, mine, group=pg)
+    return [tensor.cpu().tolist() for tensor in everyone]

@@ -15,6 +15,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+OK, OUT_OF_MEMORY, FAILED = 0, 1, 2  # a rank's status in a decode attempt, by severity
+
+
+class PeerFailed(RuntimeError):
+    """Raised on every rank holding rows at the status round after another such rank failed (`statuses`: group rank
+    -> OUT_OF_MEMORY or FAILED)."""
+
+    def __init__(self, statuses: dict[int, int]) -> None:
+        self.statuses = statuses
+        super().__init__(f"ranks {sorted(statuses)} of the decode group failed")
+
 
 def split_rows(height: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
     """`height` rows as at most `parts` contiguous near-equal bands that start on multiples of `multiple` rows (the
@@ -62,7 +73,12 @@ class LocalRows:
 
 
 class RankRows(LocalRows):
-    """The bands of a process group: group rank i holds band i; ranks past the last band hold none."""
+    """The bands of a process group: group rank i holds band i; ranks past the last band hold none.
+
+    Every exchange starts with a status round among the ranks holding rows (`check_peers`): a rank that failed since
+    its last exchange (out of memory, or any error) joins that round with its status instead of the exchange, so
+    every rank learns of it there, at its next exchange, rather than waiting for a message that never comes. The
+    decoder runs one more round after a decode's last exchange (docs/design.md, "Out-of-memory retries")."""
 
     def __init__(self, height: int, pg, device: torch.device, row_multiple: int = 1) -> None:
         self.pg = pg
@@ -77,19 +93,33 @@ class RankRows(LocalRows):
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self.pg, index)
 
-    def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        """Send and receive (peer band index, tensor) pairs concurrently; received tensors are filled in place."""
-        ops, staged = [], []
-        for peer, tensor in sends:
-            ops.append(dist.P2POp(dist.isend, tensor.to(self.comm_device).contiguous(), self._peer(peer), self.pg))
-        for peer, tensor in recvs:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm_device)
-            ops.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), self.pg))
-            staged.append((tensor, buffer))
+    def _post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        ops = [dist.P2POp(dist.isend, tensor, self._peer(peer), self.pg) for peer, tensor in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, self._peer(peer), self.pg) for peer, tensor in recvs]
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-        for tensor, buffer in staged:
+
+    def check_peers(self, status: int = OK) -> None:
+        """The status round: this rank's status to every other rank holding rows and theirs back; PeerFailed when
+        any of theirs is not OK."""
+        others = [j for j in range(len(self.bands)) if j != self.index]
+        mine = torch.full((1,), status, dtype=torch.int32, device=self.comm_device)
+        theirs = {j: torch.empty(1, dtype=torch.int32, device=self.comm_device) for j in others}
+        self._post([(j, mine) for j in others], list(theirs.items()))
+        failed = {j: s for j, s in ((j, int(t.item())) for j, t in theirs.items()) if s != OK}
+        if failed:
+            raise PeerFailed(failed)
+
+    def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Send and receive (peer band index, tensor) pairs concurrently; received tensors are filled in place. Every
+        buffer is allocated before the status round, so an allocation that fails is heard by the others there."""
+        sends = [(peer, tensor.to(self.comm_device).contiguous()) for peer, tensor in sends]
+        staged = [(peer, tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm_device))
+                  for peer, tensor in recvs]
+        self.check_peers()
+        self._post(sends, [(peer, buffer) for peer, _, buffer in staged])
+        for _, tensor, buffer in staged:
             tensor.copy_(buffer)
 
     def exchange_halos(self, window: torch.Tensor) -> None:

@@ -129,6 +129,11 @@ def dry_ops(compute_itemsize: int) -> Ops:
 # checked against 1.3 x the replay. At 1 frame per pass such frames are worse (3-row tiles: 44%; 4 columns: 12-17%;
 # 6 columns: within 4%): the tests that hold a decode to its budget use frames at least 4 columns wide.
 PEAK_HEADROOM = 1.3
+# A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
+# (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries
+# few plans (PAN2's video at 4 frames per pass: 4, 2, 1, then tiles), and the smallest plan is tried last.
+RETRY_PEAK_FRACTION = 0.75
+_STREAM_RETRY_TILES = (2, 3, 4, 6, 8)  # tile counts a streamed decode's retry tries
 
 
 class MemoryPlanner:
@@ -213,6 +218,49 @@ class MemoryPlanner:
     def fits(self, shape, tile_rows, stream, budget, frames_per_pass) -> bool:
         """Whether the planned peak (x PEAK_HEADROOM) of this decode setting fits `budget` bytes."""
         return self.peak_bytes(shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
+
+    def retry_plan(self, shape, frames_per_pass: int, tile_rows: int | None, stream: bool,
+                   may_tile: bool) -> tuple[int, int | None] | None:
+        """The plan a decode that ran out of memory at (`frames_per_pass`, `tile_rows`) retries at: among the smaller
+        plans (fewer frames per pass at the same tiles; then, at 1 frame per pass and where `may_tile`, smaller
+        exact tiles, largest first), the first whose peak is at most RETRY_PEAK_FRACTION of the failed plan's; else
+        the smaller plan with the least peak, if that is below the failed plan's; None when no smaller plan is
+        left."""
+        failed = self.peak_bytes(shape, frames_per_pass, tile_rows, stream)
+        budget = failed * RETRY_PEAK_FRACTION
+        most = min(frames_per_pass, max(shape[2] - 1, 1))  # more than T - 1 per pass runs as T - 1
+        fewer = [(fpp, tile_rows) for fpp in FRAMES_PER_PASS_CHOICES if fpp < most]
+        for plan in fewer:
+            if self.peak_bytes(shape, *plan, stream) <= budget:
+                return plan
+        height = shape[3] if tile_rows is None else tile_rows
+        tiles = [] if not may_tile or height < 2 else self._smaller_tiles(shape, height, stream, budget)
+        candidates = fewer + [(1, rows) for rows in tiles]
+        for plan in candidates[len(fewer):]:
+            if self.peak_bytes(shape, *plan, stream) <= budget:
+                return plan
+        if not candidates:
+            return None
+        least = min(candidates, key=lambda plan: self.peak_bytes(shape, *plan, stream))
+        return least if self.peak_bytes(shape, *least, stream) < failed else None
+
+    def _smaller_tiles(self, shape, below: int, stream: bool, budget: float) -> list[int]:
+        """Tile sizes under `below` rows to try at 1 frame per pass, largest first. Tile by tile the peak grows with
+        the tile, so the largest tile within `budget` (binary search) and the one-row tile (the least peak) are the
+        only ones worth trying. Streamed, every tile's history is alive at once and smaller tiles can cost more (see
+        `_plan_stream`): the largest tile of 2, 3, 4, 6 and 8 tiles (a handful of replays: a streamed replay of a
+        large frame is slow)."""
+        if stream:
+            return sorted({rows for rows in (-(-shape[3] // k) for k in _STREAM_RETRY_TILES) if rows < below},
+                          reverse=True)
+        lo, hi = 1, below - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak_bytes(shape, 1, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return sorted({lo, 1}, reverse=True)
 
     def _plan(self, shape, budget: int, stream: bool, fpp: int) -> int | None:
         height = shape[3]
