@@ -35,7 +35,7 @@ import torch
 
 from fastvideo_pan2_ext import latents_file
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.vae_kernel.architecture import check_latents, infer_config, video_frames
+from fastvideo_pan2_ext.vae_kernel.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel.backends import BACKENDS, CONV_ALGORITHMS
 from fastvideo_pan2_ext.vae_kernel.decoder import parse_frames_per_pass
 from fastvideo_pan2_ext.video_io import check_writable, write_grid_stream
@@ -93,10 +93,9 @@ def read_latents(path, denormalized: bool) -> latents_file.KeptLatents | torch.T
             return latents_file.read(path)
         metadata = metadata or {}
     tensor = _bare_tensor(path, metadata)
-    try:
-        check_latents(tensor, tensor.shape[1] if tensor.dim() == 5 else -1)
-    except ValueError as exc:
-        raise DecodeCommandError(f"{path}: {exc}") from None
+    if tensor.dim() != 5 or not tensor.is_floating_point() or min(tensor.shape) < 1:
+        raise DecodeCommandError(f"{path}: holds a {tensor.dtype} tensor of shape {list(tensor.shape)}; expected "
+                                 "float latents [B, z_dim, T, h, w]")
     return tensor
 
 
@@ -249,6 +248,8 @@ def prepare(args):
     layout = latents_file.layout_of(infer_config(vae.state_dict()))
     if kept and kept.layout != layout:
         raise DecodeCommandError(f"--vae {vae_path}: a {layout} VAE; the latents were made for a {kept.layout} VAE")
+    if not bool(torch.isfinite(z).all()):
+        raise DecodeCommandError(f"{args.latents}: the latents contain NaN or Inf")
     normalized = kept.normalized if kept else not args.denormalized
     z = denormalize(z, vae) if normalized else z.float()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -186,6 +186,8 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     torch.save(torch.randn(1, 48, 2, 4, 6), z22)
     flat = tmp_path / "flat.pt"
     torch.save(torch.randn(48, 2, 4, 6), flat)
+    nan = tmp_path / "nan.pt"
+    torch.save(torch.full((1, 48, 2, 4, 6), float("nan")), nan)
     text = tmp_path / "notes.txt"
     text.write_text("not a tensor")
     a_file = tmp_path / "a-file"
@@ -204,7 +206,8 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     cases = [
         ([tmp_path / "missing.pt", "--vae", wan22], "missing.pt: no such file"),
         ([text, "--vae", wan22], "notes.txt: not a tensor file"),
-        ([flat, "--vae", wan22], "latents must be [B, "),
+        ([flat, "--vae", wan22], "flat.pt: holds a torch.float32 tensor of shape [48, 2, 4, 6]; expected float latents"),
+        ([nan, "--vae", wan22], "nan.pt: the latents contain NaN or Inf"),
         ([z22], "--vae PATH is needed"),
         ([z22, "--vae", wan21], "a VAE of 16 latent channels cannot decode latents of 48"),
         ([z22, "--vae", tmp_path], "neither a diffusers VAE folder"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 
@@ -77,14 +78,17 @@ def keep(stage, batch, latents: torch.Tensor, request: streamed_save.StreamedSav
     """In the worker, after the streamed decode of `latents` (de-normalized) raised `error`: keep the latents (rank
     0) and return the batch with a placeholder output and the failure for the parent."""
     vae = stage.vae
-    path = latents_file.path_for(request.path)
+    output = os.path.abspath(request.path)  # the line and the file must work from any folder
+    path = latents_file.path_for(output)
+    source = str(fastvideo_args.model_path)
+    source = os.path.abspath(source) if os.path.exists(source) else source  # a hub id stays one
     failure = DecodeFailure(_one_line(error), str(path))
     layout, scale = _layout_and_scale(vae)
     if _is_root():
         opts = fast_decode.options(vae.config) or fast_decode.DecodeOptions()
         kept = latents_file.KeptLatents(
-            latents=latents, normalized=False, vae=str(fastvideo_args.model_path), layout=layout,
-            fps=float(request.fps), output=str(request.path),
+            latents=latents, normalized=False, vae=source, layout=layout,
+            fps=float(request.fps), output=output,
             decoder_options={"frames_per_pass": opts.frames_per_pass, "tile_rows": opts.tile_rows,
                              "max_memory": opts.max_memory})
         try:
