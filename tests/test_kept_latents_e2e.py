@@ -20,12 +20,13 @@ from _pan2_helpers import E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFL
 pytestmark = pytest.mark.slow  # FastVideo end to end, in worker processes
 
 # PAN2_TEST_DECODE=fail: every decode_iter yields its first chunk, then raises. =record:PATH: every decode_iter passes
-# its chunks through and, when done, saves {latents it got, the video it yielded} to PATH.
+# its chunks through and, when done, saves {latents it got, the video it yielded} to PATH. =disk-full: the mp4 writer
+# raises ENOSPC at its second frame.
 SITECUSTOMIZE = textwrap.dedent("""
     import os
 
     _mode = os.environ.get("PAN2_TEST_DECODE", "")
-    if _mode:
+    if _mode.startswith(("fail", "record:")):
         import torch
         from fastvideo_pan2_ext.vae_kernel import decoder as _decoder
 
@@ -48,6 +49,18 @@ SITECUSTOMIZE = textwrap.dedent("""
             return recording()
 
         _decoder.WanVAEDecoder.decode_iter = decode_iter
+    if _mode == "disk-full":  # the mp4 writer's disk fills up after the first frame
+        import errno
+        from fastvideo_pan2_ext import video_io
+
+        _append = video_io._Mp4.append
+
+        def append(self, frame, images):
+            if self.frames:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            _append(self, frame, images[:1])
+
+        video_io._Mp4.append = append
 """)
 
 
@@ -130,3 +143,19 @@ def test_a_failed_decode_keeps_the_latents_and_the_decode_command_makes_the_vide
     assert report.ok, str(report)
     report = compare_to_reference("undisturbed run vs fp32", recorded["video"], fp32, bf16, unit_range=True)
     assert report.ok, str(report)
+
+
+def test_a_full_disk_at_the_streamed_save_keeps_the_latents(tiny_ckpt, tmp_path):
+    from fastvideo_pan2_ext import latents_file
+
+    image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
+    out = tmp_path / "full"
+    failed = _generate(tiny_ckpt, image, out / "v.mp4", _env(tmp_path, "disk-full"))
+    log = failed.stdout + failed.stderr
+    kept_path = out / "v.latents.safetensors"
+    assert failed.returncode == 1 and "Traceback" not in log, log[-4000:]
+    assert failed.stderr.rstrip().splitlines()[-1] == (
+        f"fastvideo generate: the decode failed (OSError: [Errno 28] No space left on device); the latents are kept "
+        f"in {kept_path}; make the video with: python -m fastvideo_pan2_ext.decode {kept_path}"), log[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == [kept_path.name]  # the partial mp4 is gone
+    assert latents_file.read(kept_path).frames == E2E_FRAMES

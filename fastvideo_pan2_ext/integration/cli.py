@@ -141,6 +141,7 @@ def _ends_cleanly():
     except RuntimeError as exc:
         failed = kept_latents.failure_in(exc)
         if failed is not None:  # the decode failed after denoising; its latents are kept (or it says why not)
+            _stop_workers()  # idle now: stopped at once, so nothing of theirs prints after the line
             print(f"fastvideo generate: {failed}", file=sys.stderr)
             raise SystemExit(1) from None
         if not isinstance(exc.__cause__, (EOFError, ConnectionError)):  # FastVideo lost the pipe to a worker
