@@ -117,11 +117,13 @@ def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: 
     return options
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every option as a command-line flag (`--frames-per-pass`, ...), default: the option's."""
+def add_arguments(parser: argparse.ArgumentParser, unset: Any = None) -> None:
+    """Every option as a command-line flag (`--frames-per-pass`, ...), default: the option's; with
+    `unset=argparse.SUPPRESS`, a flag not given leaves no attribute (for a caller with defaults of its own)."""
     for option in OPTIONS:
         flag = "--" + option.name.replace("_", "-")
-        parser.add_argument(flag, dest=option.name, default=option.default, type=argparse_type(option.name),
+        default = option.default if unset is None else unset
+        parser.add_argument(flag, dest=option.name, default=default, type=argparse_type(option.name),
                             help=f"{option.meaning} (default: {option.default})")
 
 

@@ -107,6 +107,9 @@ SEAMS = (
     Seam("fastvideo.entrypoints.video_generator", "VideoGenerator._generate_single_video", "FastVideo saves in the "
          "parent after the worker returns the whole video; a streamed save is requested from here, through its "
          "`_extra_overrides` keyword (copied into the worker's batch.extra)", replaced=True),
+    Seam("fastvideo.worker.multiproc_executor", "MultiprocExecutor.execute_forward", "a decode that failed in the "
+         "worker (its latents kept) comes back as a marker in the output batch's extra: the parent raises there, "
+         "before FastVideo post-processes the placeholder output", replaced=True),
     Seam("fastvideo.pipelines.stages", "DecodingStage._denormalize_latents", "the fast decoder takes latents "
          "de-normalized exactly as FastVideo's decode does"),
     Seam("fastvideo.configs.models.vaes", "WanVAEConfig", "gets the fast decoder's switch and options as dataclass "
@@ -364,6 +367,23 @@ def with_batch_extra(kwargs: dict, key: str, value) -> dict:
 def local_torch_device():
     """This rank's device, as FastVideo's stages place tensors."""
     return symbol("get_local_torch_device")()
+
+
+def wrap_execute_forward(check: Callable) -> None:
+    """`MultiprocExecutor.execute_forward` (the parent's call into the workers) calls `check(output_batch)` on what the
+    workers return, before FastVideo reads it (`check` may raise). Idempotent."""
+    from fastvideo.worker.multiproc_executor import MultiprocExecutor
+
+    def make(original):
+        @functools.wraps(original)
+        def execute_forward(self, forward_batch, fastvideo_args):
+            output_batch = original(self, forward_batch, fastvideo_args)
+            check(output_batch)
+            return output_batch
+
+        return execute_forward
+
+    _once(MultiprocExecutor, "execute_forward", make)
 
 
 def denormalize_latents(stage, latents, fastvideo_args):

@@ -10,7 +10,8 @@
    and checks its checkpoint in the process that makes the args.
 7. Gives FastVideo's Wan VAE config the fast decoder's switch and routes its VAE's decode through the fast decoder
    where the switch is on (`fast_decode`), with the switch's options checked when FastVideoArgs are made.
-8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`) and the streamed, atomic save (`streamed_save`).
+8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
+   latents of a streamed decode that fails (`kept_latents`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
-from . import adapter, cli, fast_decode, streamed_save
+from . import adapter, cli, fast_decode, kept_latents, streamed_save
 from .checkpoint import check_pan2_checkpoint, looks_like_pan2
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def register() -> None:
     adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
     cli.install()
     streamed_save.install()
+    kept_latents.install()
     _registered = True
     logger.debug("fastvideo_pan2_ext registered with FastVideo")
 

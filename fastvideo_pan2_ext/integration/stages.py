@@ -5,7 +5,8 @@
   (`fastvideo_pan2_ext.image`, bit-identical to the reference); everything else the stage does is FastVideo's.
 - `PAN2DecodingStage`: FastVideo's decoding stage, which decodes through the fast decoder when PAN2's
   `vae_decode_kernel` (the Wan VAE config's `decode_kernel`) is on (`fast_decode`). A batch carrying a
-  `StreamedSaveRequest` (`streamed_save`) is written to its mp4 as it is decoded, by rank 0, instead of returned.
+  `StreamedSaveRequest` (`streamed_save`) is written to its mp4 as it is decoded, by rank 0, instead of returned;
+  when that decode or write fails, its latents are kept beside the output (`kept_latents`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from PIL import Image
 
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
 
-from . import adapter, fast_decode, streamed_save
+from . import adapter, fast_decode, kept_latents, streamed_save
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,10 @@ class PAN2DecodingStage(adapter.symbol("DecodingStage")):
         if fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
         latents = adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
-        streamed_save.write_while_decoding(self.vae, latents, request)
+        try:
+            streamed_save.write_while_decoding(self.vae, latents, request)
+        except Exception as exc:  # after denoising: keep the latents (an interrupt is no Exception: nothing kept)
+            return kept_latents.keep(self, batch, latents, request, fastvideo_args, exc)
         _, _, _, height, width = fast_decode.decoder_for(self.vae, latents.device).output_shape(latents)
         batch.output = streamed_save.empty_output(latents.shape[0], height, width)
         return batch
