@@ -95,7 +95,8 @@ class CompiledKernels:
             reason = "out or residual not 16-byte aligned"
         if reason is not None:
             self._fallback("winograd_conv3d", reason)
-            return winograd.conv3d_winograd(x.contiguous(), portable_u, b, out, residual, tile=2)
+            # contiguous: the portable table's own operands, so the fallback runs its GEMMs, not a transposed variant
+            return winograd.conv3d_winograd(x.contiguous(), portable_u.contiguous(), b, out, residual, tile=2)
         b = b if b.dtype == torch.float32 and b.is_contiguous() else b.float().contiguous()
         if co % 8 == 0:
             return self._winograd_bands(x, u.contiguous(), b, out, residual)
