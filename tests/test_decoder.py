@@ -73,8 +73,18 @@ def test_decoder_takes_the_diffusers_module_and_bf16_latents(wan22_vae, wan22_st
     check_allowance(_decode(wan22_state_dict, z.to(torch.bfloat16), 4), ref32, release)
 
 
-def test_auto_backend_on_cpu_is_the_portable_one(wan22_state_dict):
-    assert WanVAEDecoder(wan22_state_dict, device="cpu").backend == "torch"
+def test_auto_backend_on_cpu_never_tries_the_compiled_one(wan22_state_dict, monkeypatch):
+    """A CPU decode must not build or load the CUDA extension (a build takes minutes and needs nvcc)."""
+    from fastvideo_pan2_ext.vae_kernel import backends
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("backend='auto' on CPU tried to load the compiled decoder")
+
+    monkeypatch.setattr(backends, "load_ops", refuse)
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu")
+    assert decoder.backend == "torch"
+    z = latents((1, 8, 2, 1, 2), seed=5)
+    assert torch.equal(decoder.decode(z), _decode(wan22_state_dict, z, 4))  # the portable ops, the same call
 
 
 def test_decode_leaves_global_tf32_flags_as_they_were(wan22_state_dict):
