@@ -41,16 +41,16 @@ def test_decode_matches_reference_within_allowance(wan22_state_dict, oracle, sha
     check_allowance(video, ref32, release)
 
 
-def test_frames_per_pass_changes_nothing_but_rounding(wan22_state_dict, oracle):
-    """frames_per_pass 1, 2, 4 and 8 give the same video (measured: bit-identical with oneDNN on CPU)."""
+def test_frames_per_pass_changes_nothing(wan22_state_dict, oracle):
+    """frames_per_pass 1, 2, 4 and 8 give the same video bit for bit: the same ops summing the same inputs in the
+    same order, only over more frames per call (docs/design.md, "Definitions")."""
     shape = (1, 8, 9, 2, 3)
     z = latents(shape, seed=sum(shape))
     ref32, release = oracle.decodes(z, shape)
     videos = {fp: _decode(wan22_state_dict, z, fp) for fp in (1, 2, 4, 8)}
+    check_allowance(videos[1], ref32, release)
     for fp, video in videos.items():
-        check_allowance(video, ref32, release)
-        diff = (video.float() - videos[1].float()).abs().max().item()
-        assert diff <= 2 ** -7, f"frames_per_pass={fp} differs from frame-by-frame by {diff}"
+        assert torch.equal(video, videos[1]), f"frames_per_pass={fp} differs from frame-by-frame"
 
 
 def test_batch_of_two_decodes_each_sample_as_alone(wan22_state_dict, oracle):
