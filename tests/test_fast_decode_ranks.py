@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _pan2_helpers import forward_batch, free_port
+from _threads import RANK_THREADS, torch_threads
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,7 @@ def _stage_and_args(tiny_ckpt: str):
 
 def _rank(rank: int, world: int, port: int, tiny_ckpt: str, tmp: str, case: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
+    torch.set_num_threads(RANK_THREADS)  # the single-rank decode it is compared with runs at this count too
     try:
         from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
 
@@ -90,9 +92,14 @@ def _run(world: int, tiny_ckpt, tmp_path, case: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def single(tiny_ckpt, tmp_path_factory):
     """The single-rank stage output and streamed mp4 for LATENTS (in this process, no distributed environment)."""
+    out = tmp_path_factory.mktemp("single")
+    with torch_threads():
+        return _single(tiny_ckpt, out)
+
+
+def _single(tiny_ckpt, out):
     from fastvideo_pan2_ext.integration import streamed_save
 
-    out = tmp_path_factory.mktemp("single")
     stage, args = _stage_and_args(str(tiny_ckpt))
     batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
     batch.latents = LATENTS.clone()

@@ -1,58 +1,58 @@
-"""`reference.load_first_frame` on real image files, against an independent computation of Wan2.2's i2v reading.
+"""`reference.load_first_frame` on real image files, against code this project did not write: FastVideo 0.2.1's own
+TI2V preprocessing (`InputValidationStage.forward`, run here as FastVideo runs it, with `fastvideo.utils.best_output_size`,
+"adapted from Wan2.2's wan/utils/utils.py").
 
-Wan2.2's sampler (`wan/textimage2video.py`, `wan/image2video.py` with `wan/utils/utils.py::best_output_size`) opens the
-image with `Image.open(path).convert("RGB")` (no EXIF transpose), picks the output size with `best_output_size(iw, ih,
-32, 32, area)` (multiples of 32, area <= the requested one, the width-first or height-first candidate whose aspect ratio
-is closer to the image's, the height-first one on a tie), LANCZOS-resizes to cover that size, centre-crops, and maps
-`to_tensor(img)` to [-1, 1] with `sub_(0.5).div_(0.5)`.
-
-The expected tensors here are built independently: the size rule is re-derived below; the pixels come from the arrays
-this file wrote (or, for the decoded lossy and 16-bit formats, from Pillow's raw decode plus the colour conversion
-written out by hand); the crop is numpy slicing; the tensor conversion is torchvision's `to_tensor`.
+Wan2.2's sampler (`wan/textimage2video.py`, `wan/image2video.py`) opens the image with `Image.open(path).convert("RGB")`,
+picks the output size with `best_output_size(iw, ih, 32, 32, area)`, LANCZOS-resizes to cover it, centre-crops and maps
+`to_tensor(img)` to [-1, 1] with `sub_(0.5).div_(0.5)`. FastVideo's stage does the same, with two differences, each
+stated and tested here:
+- the area is always 480 x 832 (the request's height and width are ignored): so the pixels are compared at that area,
+  and other areas through FastVideo's `best_output_size` with the sizes it gives written out;
+- it reads the image with `ImageOps.exif_transpose` (FastVideo's `load_image`): so on a file with an EXIF orientation
+  FastVideo's frame is the reference's frame of the turned pixels, not of the stored ones Wan2.2 (and PAN2) use.
+Everything is elementwise after Pillow's resize and crop (the same Pillow calls), so the frames are equal bit for bit.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
-from torchvision.transforms.functional import to_tensor
 
 from fastvideo_pan2_ext import reference
 
 EXIF_ORIENTATION = 0x0112
+FASTVIDEO_AREA = (480, 832)  # height, width: InputValidationStage's fixed max_area for Wan TI2V
 
 
-# --- the independent computation ------------------------------------------------------------------------------------
+# --- FastVideo's preprocessing --------------------------------------------------------------------------------------
 
 
-def wan22_output_size(iw: int, ih: int, area: int, step: int = 32) -> tuple[int, int]:
-    """(width, height): the two candidates of Wan2.2's rule, the closer aspect ratio wins, height-first on a tie."""
-    aspect = iw / ih
-    width_first_w = math.floor(math.sqrt(area * aspect) / step) * step
-    width_first = (width_first_w, math.floor(area / width_first_w / step) * step)
-    height_first_h = math.floor(area / math.sqrt(area * aspect) / step) * step
-    height_first = (math.floor(area / height_first_h / step) * step, height_first_h)
+@functools.lru_cache(maxsize=1)
+def _fastvideo():
+    from fastvideo.configs.pipelines.wan import Wan2_2_TI2V_5B_Config
+    from fastvideo.fastvideo_args import FastVideoArgs
+    from fastvideo.pipelines import ForwardBatch
+    from fastvideo.pipelines.stages.input_validation import InputValidationStage
 
-    def distortion(size):
-        r = size[0] / size[1]
-        return max(aspect / r, r / aspect)
+    args = FastVideoArgs(model_path="unused", pipeline_config=Wan2_2_TI2V_5B_Config())
+    # What FastVideo reads from Wan2.2-TI2V-5B's vae/config.json (the config class defaults to Wan2.1's 8): the
+    # stage's size step is then patch 2 x 16 = 32, Wan2.2's.
+    args.pipeline_config.vae_config.arch_config.scale_factor_spatial = 16
+    return args, ForwardBatch, InputValidationStage()
 
-    return width_first if distortion(width_first) < distortion(height_first) else height_first
 
-
-def expected_first_frame(rgb: Image.Image, height: int, width: int) -> torch.Tensor:
-    """The first frame of an RGB image as Wan2.2 makes it, computed without reference.py."""
-    assert rgb.mode == "RGB"
-    ow, oh = wan22_output_size(rgb.width, rgb.height, height * width)
-    scale = max(ow / rgb.width, oh / rgb.height)
-    resized = np.array(rgb.resize((round(rgb.width * scale), round(rgb.height * scale)), Image.LANCZOS))
-    top, left = (resized.shape[0] - oh) // 2, (resized.shape[1] - ow) // 2
-    cropped = np.ascontiguousarray(resized[top : top + oh, left : left + ow])
-    return to_tensor(cropped).sub_(0.5).div_(0.5).unsqueeze(1).unsqueeze(0)
+def fastvideo_first_frame(path) -> torch.Tensor:
+    """The first frame FastVideo's TI2V input stage makes of the image at `path` ([1, 3, 1, H, W])."""
+    args, forward_batch, stage = _fastvideo()
+    batch = forward_batch(data_type="video", prompt="x", image_path=str(path), seed=0, height=704, width=1248,
+                          num_frames=5)
+    batch = stage.forward(batch, args)
+    assert batch.pil_image.shape[3:] == (batch.height, batch.width)
+    return batch.pil_image
 
 
 def assert_is_first_frame(frame: torch.Tensor, expected: torch.Tensor) -> None:
@@ -61,6 +61,13 @@ def assert_is_first_frame(frame: torch.Tensor, expected: torch.Tensor) -> None:
     assert frame.shape[:3] == (1, 3, 1) and frame.shape[3] % 32 == 0 and frame.shape[4] % 32 == 0
     assert frame.min() >= -1 and frame.max() <= 1
     assert torch.equal(frame, expected), f"max |diff| = {(frame - expected).abs().max().item()}"
+
+
+def assert_fastvideo_agrees(path) -> torch.Tensor:
+    """reference.load_first_frame at FastVideo's area is FastVideo's frame of the same file; returns it."""
+    frame = reference.load_first_frame(path, *FASTVIDEO_AREA)
+    assert_is_first_frame(frame, fastvideo_first_frame(path))
+    return frame
 
 
 def random_rgb(width: int, height: int, seed: int) -> np.ndarray:
@@ -75,22 +82,34 @@ def random_rgb(width: int, height: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("orientation", [3, 6, 8])
-def test_first_frame_ignores_exif_orientation(tmp_path, orientation):
+def test_first_frame_ignores_exif_orientation_where_fastvideo_applies_it(tmp_path, orientation):
     path = tmp_path / f"orientation{orientation}.jpg"
     exif = Image.Exif()
     exif[EXIF_ORIENTATION] = orientation
     Image.fromarray(random_rgb(320, 180, seed=orientation)).save(path, quality=95, exif=exif)
     with Image.open(path) as stored:
         assert stored.getexif()[EXIF_ORIENTATION] == orientation
-        stored_rgb = stored.convert("RGB")
-        transposed_rgb = ImageOps.exif_transpose(stored).convert("RGB")
+        ImageOps.exif_transpose(stored).convert("RGB").save(tmp_path / "turned.png")  # lossless: the same pixels
 
-    frame = reference.load_first_frame(path, 128, 224)
+    frame = reference.load_first_frame(path, *FASTVIDEO_AREA)
+    assert frame.shape[3:] == FASTVIDEO_AREA  # landscape, as stored
+    fastvideo = fastvideo_first_frame(path)  # FastVideo turns the image first
+    assert_is_first_frame(fastvideo, reference.load_first_frame(tmp_path / "turned.png", *FASTVIDEO_AREA))
+    assert fastvideo.shape != frame.shape or not torch.equal(fastvideo, frame)
 
-    assert_is_first_frame(frame, expected_first_frame(stored_rgb, 128, 224))
-    assert frame.shape[3:] == (128, 224)  # landscape, as stored; the transposed image would give a portrait frame
-    transposed = expected_first_frame(transposed_rgb, 128, 224)
-    assert transposed.shape != frame.shape or not torch.equal(transposed, frame)
+
+def test_the_sample_image_is_read_as_stored_and_fastvideo_turns_it(tmp_path):
+    """The packaged sample (fastvideo_pan2_ext/assets/, stored 384x256 landscape with EXIF orientation 6)."""
+    from importlib.resources import files
+
+    path = files("fastvideo_pan2_ext") / "assets" / "sample_exif_rotated.jpg"
+    with Image.open(path) as stored:
+        assert stored.size == (384, 256) and stored.getexif()[EXIF_ORIENTATION] == 6
+        ImageOps.exif_transpose(stored).convert("RGB").save(tmp_path / "turned.png")
+    assert reference.load_first_frame(path, *FASTVIDEO_AREA).shape[3:] == (512, 768)  # landscape
+    fastvideo = fastvideo_first_frame(path)
+    assert fastvideo.shape[3:] == (768, 512)  # portrait
+    assert_is_first_frame(fastvideo, reference.load_first_frame(tmp_path / "turned.png", *FASTVIDEO_AREA))
 
 
 # --- colour modes ---------------------------------------------------------------------------------------------------
@@ -104,8 +123,9 @@ def test_rgba_png_uses_the_colour_channels_and_drops_alpha(tmp_path):
     with Image.open(path) as stored:
         assert stored.mode == "RGBA"
 
-    frame = reference.load_first_frame(path, 64, 96)
-    assert_is_first_frame(frame, expected_first_frame(Image.fromarray(rgba[..., :3]), 64, 96))
+    frame = assert_fastvideo_agrees(path)
+    Image.fromarray(rgba[..., :3]).save(tmp_path / "rgb.png")  # the colour channels alone
+    assert torch.equal(frame, reference.load_first_frame(tmp_path / "rgb.png", *FASTVIDEO_AREA))
 
 
 def test_grayscale_png_gives_three_equal_channels(tmp_path):
@@ -115,8 +135,7 @@ def test_grayscale_png_gives_three_equal_channels(tmp_path):
     with Image.open(path) as stored:
         assert stored.mode == "L"
 
-    frame = reference.load_first_frame(path, 96, 64)
-    assert_is_first_frame(frame, expected_first_frame(Image.fromarray(np.stack([gray] * 3, axis=-1)), 96, 64))
+    frame = assert_fastvideo_agrees(path)
     assert torch.equal(frame[:, 0], frame[:, 1]) and torch.equal(frame[:, 1], frame[:, 2])
 
 
@@ -130,8 +149,9 @@ def test_cmyk_jpeg_is_converted_to_rgb(tmp_path):
         decoded = np.asarray(stored).astype(np.int64)  # the JPEG's CMYK after decoding (lossy)
     rgb = np.rint((255 - decoded[..., :3]) * (255 - decoded[..., 3:]) / 255).astype(np.uint8)
 
-    frame = reference.load_first_frame(path, 96, 128)
-    assert_is_first_frame(frame, expected_first_frame(Image.fromarray(rgb), 96, 128))
+    frame = assert_fastvideo_agrees(path)
+    Image.fromarray(rgb).save(tmp_path / "rgb.png")  # Pillow's CMYK -> RGB, written out
+    assert torch.equal(frame, reference.load_first_frame(tmp_path / "rgb.png", *FASTVIDEO_AREA))
 
 
 def test_16_bit_png_is_read_with_pillows_clipping_to_8_bits(tmp_path):
@@ -144,8 +164,9 @@ def test_16_bit_png_is_read_with_pillows_clipping_to_8_bits(tmp_path):
         assert np.array_equal(np.asarray(stored), deep)
     clipped = np.clip(deep, 0, 255).astype(np.uint8)
 
-    frame = reference.load_first_frame(path, 64, 96)
-    assert_is_first_frame(frame, expected_first_frame(Image.fromarray(np.stack([clipped] * 3, axis=-1)), 64, 96))
+    frame = assert_fastvideo_agrees(path)
+    Image.fromarray(clipped).save(tmp_path / "clipped.png")
+    assert torch.equal(frame, reference.load_first_frame(tmp_path / "clipped.png", *FASTVIDEO_AREA))
 
 
 def test_palette_gif_is_read_through_its_palette(tmp_path):
@@ -162,8 +183,9 @@ def test_palette_gif_is_read_through_its_palette(tmp_path):
         stored_palette = np.asarray(stored.getpalette(), dtype=np.uint8).reshape(-1, 3)
     assert np.array_equal(stored_palette[stored_indices], palette[indices])  # GIF kept every colour
 
-    frame = reference.load_first_frame(path, 64, 96)
-    assert_is_first_frame(frame, expected_first_frame(Image.fromarray(palette[indices]), 64, 96))
+    frame = assert_fastvideo_agrees(path)
+    Image.fromarray(palette[indices]).save(tmp_path / "rgb.png")
+    assert torch.equal(frame, reference.load_first_frame(tmp_path / "rgb.png", *FASTVIDEO_AREA))
 
 
 # --- sizes ----------------------------------------------------------------------------------------------------------
@@ -178,10 +200,12 @@ def test_extreme_aspect_ratios_follow_wan22s_size_rule(tmp_path, image_size, exp
     path = tmp_path / "extreme.png"
     Image.fromarray(random_rgb(*image_size, seed=6)).save(path)
 
+    from fastvideo.utils import best_output_size
+
     frame = reference.load_first_frame(path, 704, 1248)
-    with Image.open(path) as stored:
-        assert_is_first_frame(frame, expected_first_frame(stored.convert("RGB"), 704, 1248))
+    assert best_output_size(*image_size, 32, 32, 704 * 1248)[::-1] == expected_hw
     assert frame.shape[3:] == expected_hw
+    assert_fastvideo_agrees(path)
     assert frame.shape[3] * frame.shape[4] <= 704 * 1248
 
 
@@ -200,10 +224,13 @@ def test_output_size_for_common_aspect_ratios(tmp_path, image_size, height, widt
     path = tmp_path / "image.png"
     Image.fromarray(random_rgb(*image_size, seed=7)).save(path)
 
+    from fastvideo.utils import best_output_size
+
     frame = reference.load_first_frame(path, height, width)
-    with Image.open(path) as stored:
-        assert_is_first_frame(frame, expected_first_frame(stored.convert("RGB"), height, width))
+    assert best_output_size(*image_size, 32, 32, height * width)[::-1] == expected_hw
     assert frame.shape == (1, 3, 1, *expected_hw)
+    if (height, width) == FASTVIDEO_AREA:
+        assert_fastvideo_agrees(path)
 
 
 def test_image_already_at_the_output_size_keeps_its_exact_pixels(tmp_path):
@@ -216,15 +243,17 @@ def test_image_already_at_the_output_size_keeps_its_exact_pixels(tmp_path):
     assert torch.equal(frame, expected[None, :, None])
 
 
-def test_output_size_rule_matches_wan22_on_many_shapes():
+def test_output_size_rule_matches_fastvideos_copy_of_wan22s_on_many_shapes():
     # The size rule alone, on a spread of image shapes and requested areas (no images needed).
+    from fastvideo.utils import best_output_size
+
     rng = np.random.default_rng(9)
     for _ in range(2000):
         iw, ih = (int(v) for v in rng.integers(16, 5000, 2))
         height, width = (int(v) for v in rng.integers(8, 60, 2) * 32)
         if max(iw / ih, ih / iw) * 32 * 32 > height * width / 4:
             continue  # too extreme for this area: see the test below
-        assert reference.best_output_size(iw, ih, 32, 32, height * width) == wan22_output_size(iw, ih, height * width)
+        assert reference.best_output_size(iw, ih, 32, 32, height * width) == best_output_size(iw, ih, 32, 32, height * width)
 
 
 # --- bad inputs -----------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def _generate(tiny_ckpt, image: Path, video: Path, env: dict[str, str]):
                 "--request.sampling.guidance_scale", "1.0", "--request.sampling.seed", "7",
                 "--request.output.output_path", str(video),
                 "--generator.pipeline.experimental.vae_decode_kernel", "true",
-                "--generator.pipeline.experimental.vae_frames_per_pass", "2"], env_extra=env)
+                "--generator.pipeline.experimental.vae_decode_frames_per_pass", "2"], env_extra=env)
 
 
 def _vae_state_dict(tiny_ckpt: Path) -> dict:

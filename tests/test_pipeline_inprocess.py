@@ -115,9 +115,15 @@ def test_decode_with_kernel_is_wanvaedecoder_on_fastvideos_denormalized_latents(
     finally:
         args.pipeline_config.vae_decode_kernel = False
         args.pipeline_config.vae_decode_frames_per_pass = 4
-    fastvideo_route = _decode_through_stage(pipeline, args, latents, tiny_ckpt)
-    assert ours.shape == fastvideo_route.shape == (1, 3, 9, 64, 96)
-    assert (ours - fastvideo_route).abs().max() < 0.1  # same video, two bf16 decoders
+    assert ours.shape == (1, 3, 9, 64, 96)
+    # The allowance (docs/design.md, "Definitions"): against the fp32 reference of the same de-normalized latents,
+    # baseline the release bf16 decode. The stage's [0, 1] video maps back to [-1, 1] exactly (bf16 values, fp32 math).
+    from _decoder_allowance import check_allowance
+
+    z = _denormalized(latents, tiny_ckpt)
+    state_dict = {name: t.detach().float() for name, t in pipeline.get_module("vae").state_dict().items()}
+    check_allowance(ours * 2 - 1, reference.decode(z, state_dict, torch.float32),
+                    reference.decode(z, state_dict, torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------------------------------------

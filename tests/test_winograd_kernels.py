@@ -1,8 +1,11 @@
 """The CUDA path of Winograd F(2x2, 3x3) (csrc/winograd.cu behind kernels.CompiledKernels.winograd_conv3d), on CPU.
 
 - The adaptor (samples one at a time, bands of tile rows, channel padding, strided destinations) over the emulated
-  extension equals the portable `winograd.conv3d_winograd` bit for bit: same rounding points, same GEMM order.
-- What the kernels cannot take runs the portable conv and is counted.
+  extension against the portable `winograd.conv3d_winograd`: bit for bit where both run the same GEMMs (one band,
+  channels a multiple of 8: the same `winograd_products` call on the same shapes); where the adaptor's GEMMs have
+  other extents (row bands, 12 channels computed as 16) the BLAS may sum each product's channels in another order,
+  so there the bound is what the rounding points allow (`_reassociation_bound`).
+- What the kernels cannot take runs the portable conv itself (the same call, on contiguous operands) and is counted.
 - The transform kernels' per-thread code (csrc/winograd_tiles.cuh, host-callable) compiled by nvcc as host code and
   run over the whole grid equals the portable transforms bit for bit (indexing, zero padding, cropping, strides,
   the order of the fp32 adds, the bf16 rounding). The GEMMs need a GPU.
@@ -46,10 +49,25 @@ def _portable(x, w, b, out_shape, residual):
 SHAPES = [(1, 4, 9, 7, 8, 8, 3), (2, 5, 8, 10, 16, 12, 3), (1, 3, 7, 13, 24, 16, 3), (2, 3, 3, 1, 8, 8, 1)]
 
 
+def _reassociation_bound(x, w, out_a, out_b):
+    """The largest difference the rounding points allow between two F(2x2) convs of the same bf16 operands whose
+    GEMMs sum each element's K = kt * Ci exact fp32 products in different orders: |dM| <= 2 K 2^-24 S (S = the
+    largest sum of |products|, from the same GEMMs on |V| and |U|), Y = A^T M A adds 9 M terms with coefficients
+    +-1, and each side's one rounding to bf16 moves it by at most half a bf16 ulp (2^-8 of its magnitude's binade)."""
+    kt, ci = w.shape[1], w.shape[-1]
+    u = winograd.winograd_weights(w, 2).float().abs()
+    xp = torch.nn.functional.pad(x, (0, 0, 1, 2, 0, 2))
+    s = max(winograd.winograd_products(winograd.input_transform(xp[i], 2, bf16).abs(), u).max().item()
+            for i in range(x.shape[0]))
+    magnitude = torch.maximum(out_a.float().abs(), out_b.float().abs())
+    half_ulp = torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2 ** -126))) - 8)
+    return 9 * 2 * kt * ci * 2 ** -24 * s + 2 * half_ulp
+
+
 @pytest.mark.parametrize("band_bytes", [CompiledKernels.winograd_band_bytes, 1], ids=["one band", "row bands"])
 @pytest.mark.parametrize("case", ["plain", "residual", "strided out"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_path_equals_the_portable_winograd_bit_for_bit(shape, case, band_bytes):
+def test_kernel_path_equals_the_portable_winograd(shape, case, band_bytes):
     n, _, hi, _, _, co, _ = shape
     x, w, b, res = winograd_problem(*shape, seed=11, residual=case == "residual")
     out = winograd_out(*shape, strided=case == "strided out")
@@ -57,7 +75,13 @@ def test_kernel_path_equals_the_portable_winograd_bit_for_bit(shape, case, band_
     kernels = CompiledKernels(ext, collections.Counter())
     kernels.winograd_band_bytes = band_bytes
     kernels.winograd_conv3d(x, winograd_kernel_weights(w), b, out, res)
-    assert torch.equal(out, _portable(x, w, b, out.shape, res))
+    expected = _portable(x, w, b, out.shape, res)
+    if band_bytes > 1 and co % 8 == 0:  # the portable conv's own GEMMs (one band per sample), on the same shapes
+        assert torch.equal(out, expected)
+    else:
+        diff = (out.float() - expected.float()).abs()
+        bound = _reassociation_bound(x, w, out, expected)
+        assert bool((diff <= bound).all()), f"max |diff| {diff.max().item()}, over the bound by {(diff - bound).max()}"
     assert not kernels.fallbacks
     tiles_h = math.ceil((hi - 2) / 2)
     bands = 1 if band_bytes > 1 else tiles_h
@@ -67,28 +91,43 @@ def test_kernel_path_equals_the_portable_winograd_bit_for_bit(shape, case, band_
         assert ext.calls[1][1][-1] == 16
 
 
-def test_layouts_the_kernels_cannot_take_run_the_portable_winograd_and_are_counted():
+def test_layouts_the_kernels_cannot_take_run_the_portable_winograd_and_are_counted(monkeypatch):
+    """The fallback is the portable conv itself: the same function on the same (contiguous) operands, hence the same
+    GEMMs and the same video bit for bit on any CPU. (A transposed weight view would send the GEMM to another BLAS
+    kernel, whose sums may be ordered differently: equal on some CPUs, not on others.)"""
     x, w, b, res = winograd_problem(1, 4, 6, 5, 8, 8, 3, seed=12, residual=True)
-    u = winograd_kernel_weights(w)
+    x12, w12, b12, _ = winograd_problem(1, 4, 6, 5, 12, 8, 3, seed=13)  # channels not a multiple of 8
     out_shape = (1, 2, 4, 5, 8)
+    expected = _portable(x, w, b, out_shape, res)
+    expected32 = torch.empty(out_shape)  # fp32: the portable definition in fp32 operands
+    winograd.conv3d_winograd(x.float(), winograd.winograd_weights(w, 2).float(), b, expected32)
+    expected12 = _portable(x12, w12, b12, out_shape, None)
+
+    operands = []
+    portable_conv = winograd.conv3d_winograd
+
+    def recorded(x, u, *args, **kwargs):
+        operands.append((x.is_contiguous(), u.is_contiguous()))
+        return portable_conv(x, u, *args, **kwargs)
+
+    monkeypatch.setattr(winograd, "conv3d_winograd", recorded)
+    u = winograd_kernel_weights(w)
     flat = torch.zeros(1 + math.prod(out_shape), dtype=bf16)
     misaligned = flat[1:].view(out_shape)  # 2 bytes past an allocation: no 16-byte access
     ext = EmulatedExtension()
     kernels = CompiledKernels(ext, collections.Counter())
     kernels.winograd_conv3d(x, u, b, misaligned, res)
-    assert torch.equal(misaligned, _portable(x, w, b, out_shape, res))
+    assert torch.equal(misaligned, expected)
 
     out32 = torch.empty(out_shape)
-    kernels.winograd_conv3d(x.float(), u.float(), b, out32)  # fp32: the portable definition in fp32 operands
-    expected32 = torch.empty(out_shape)
-    winograd.conv3d_winograd(x.float(), winograd.winograd_weights(w, 2).float(), b, expected32)
+    kernels.winograd_conv3d(x.float(), u.float(), b, out32)
     assert torch.equal(out32, expected32)
 
-    x12, w12, b12, _ = winograd_problem(1, 4, 6, 5, 12, 8, 3, seed=13)  # channels not a multiple of 8
     out12 = torch.empty(out_shape, dtype=bf16)
     kernels.winograd_conv3d(x12, winograd_kernel_weights(w12), b12, out12)
-    assert torch.equal(out12, _portable(x12, w12, b12, out_shape, None))
+    assert torch.equal(out12, expected12)
 
+    assert operands == [(True, True)] * 3  # each fallback ran the portable conv on contiguous operands
     assert ext.calls == []
     assert kernels.fallbacks == {
         "winograd_conv3d: out or residual not 16-byte aligned": 1, "winograd_conv3d: not bf16": 1,
@@ -121,7 +160,11 @@ def test_the_table_runs_3x3_convs_by_the_kernels_with_weights_transformed_once()
 
 def test_a_narrow_decode_through_the_kernel_path_equals_the_portable_winograd_decode():
     """The real decoder, every (3, 3, 3) conv through the kernel path, against the portable Winograd table over the
-    same direct kernels: the same video bit for bit, no fallback, and within the allowance of the fp32 reference."""
+    same direct kernels: no fallback, within the allowance of the fp32 reference, and the same video bit for bit.
+    Both run the same functions on operands of the same layouts and the same reduction lengths; only conv_out's
+    GEMM is wider (12 channels computed as 16). Equality thus rests on what the decoder's own frames_per_pass,
+    tile and rank equalities rest on (docs/design.md, "Definitions"): a BLAS/oneDNN call's per-element sums do not
+    depend on the extents of the dimensions it does not reduce over."""
     config = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                           temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
     state_dict = random_weights(config, seed=0)

@@ -104,7 +104,8 @@ class CompiledKernels:
             reason = "out or residual not 16-byte aligned"
         if reason is not None:
             self._fallback("winograd_conv3d", reason)
-            return winograd.conv3d_winograd(x.contiguous(), portable_u, b, out, residual, tile=2)
+            # contiguous: the portable table's own operands, so the fallback runs its GEMMs, not a transposed variant
+            return winograd.conv3d_winograd(x.contiguous(), portable_u.contiguous(), b, out, residual, tile=2)
         b = _operand(b, torch.float32)
         if co % 8 == 0:
             return self._winograd_bands(x, _operand(u, torch.bfloat16), b, out, residual)
