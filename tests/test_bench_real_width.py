@@ -31,7 +31,10 @@ def test_versus_fp32_workload_times_both_decodes_interleaved_and_audits_ours():
     assert ours["audit"]["within_allowance"] and ours["audit"]["rms_d"] > 0
     profiles = report["profiles"]["T=2"]
     assert set(profiles) == {ours["line"], theirs["line"]}
-    assert any(r["op"] == "aten::mkldnn_convolution" and r["calls"] > 0 for r in profiles[ours["line"]])
+    for rows in profiles.values():  # the top ops by self CPU time (which ops lead depends on the machine)
+        times = [r["self_cpu_s"] for r in rows]
+        assert 0 < len(rows) <= 15 and times == sorted(times, reverse=True) and all(r["calls"] >= 1 for r in rows)
+        assert all(isinstance(r["op"], str) and r["op"] for r in rows)
     layouts = report["conv_layouts"]
     assert {(r["co"], r["ci"], tuple(r["kernel"])) for r in layouts} >= {(8, 8, (3, 3, 3)), (12, 8, (3, 3, 3))}
     for r in layouts:
