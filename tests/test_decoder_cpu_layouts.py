@@ -11,7 +11,12 @@ from _vae_helpers import random_wan22_decoder_weights
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, ops
-from fastvideo_pan2_ext.vae_kernel.weights import CPU_CHANNELS_FIRST_MIN, load, prepare, to_compute_layout
+from fastvideo_pan2_ext.vae_kernel.weights import (
+    CPU_CHANNELS_FIRST_MIN,
+    load,
+    prepare,
+    to_compute_layout,
+)
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
