@@ -4,6 +4,7 @@
     python -m tools.bench --workload cpu-wan21-narrow --threads 1      # CPU: the Wan2.1 layout, narrow widths
     python tools/bench.py --workload gpu-real --frames 2 31 49 121     # GPU: the real decoder at 704x1248
     python -m tools.bench --conv-algorithms direct winograd --conv-layers   # direct vs Winograd F(2x2, 3x3)
+    python -m tools.bench --workload cpu-real-width --threads 2 --profile   # CPU: the real widths vs diffusers fp32
 
 For each workload and latent frame count T it decodes the same seeded latents with
 - the fast decoder (`WanVAEDecoder`, each requested backend, conv algorithm and rank count),
@@ -14,6 +15,12 @@ and records the median time of N runs after a warm-up (CUDA events on GPU), peak
 GPU; RSS on CPU, sampled during the decode), and the allowance (docs/design.md, "Definitions"): d = video - fp32
 reference, all finite and in [-1, 1], max|d| and RMS(d) within 3x the release decode's, and PSNR. Weights are seeded random weights of the
 workload's architecture (time and memory do not depend on their values). Writes JSON and a PNG plot.
+
+`cpu-real-width` is the real Wan2.2 decoder (widths 1024/512/256) on a small frame, and its yardstick is diffusers'
+fp32 decode (what a CPU user runs), not the bf16 one: the two decodes run interleaved (one warm-up each, then ours,
+diffusers', ours, ...), medians of `--repeats`; diffusers' fp32 output is the audit's reference (it is bit-exact with
+`reference.decode` fp32) and `reference.decode` bf16 its yardstick. `--profile` adds one torch.profiler run of each
+decode (the top ops by self CPU time). Needs diffusers.
 
 `--conv-layers` also times each distinct (kt, 3, 3) conv of the workload's decoder on a small input, by the backend's
 direct conv3d and by its Winograd table's (`backends.select_ops(backend, device, "direct" | "winograd")`): TFLOP/s
@@ -59,6 +66,7 @@ class Workload:
     latent_hw: tuple[int, int]
     frames: tuple[int, ...]  # latent frame counts T
     encoder_base_dim: int  # only for building diffusers' module (its encoder is never run)
+    versus_fp32: bool = False  # timed against diffusers' fp32 decode, interleaved (`bench_versus_fp32`)
 
 
 WORKLOADS = {
@@ -77,6 +85,9 @@ WORKLOADS = {
                  16),
         Workload("cpu-wan21-tiny",
                  WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 3, 1, residual=False), (6, 8), (1, 2, 5), 8),
+        Workload("cpu-real-width",  # the real decoder's widths on a small frame: 3 latent frames -> 9 frames of 64x96
+                 WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (4, 6), (3,), 160,
+                 versus_fp32=True),
         Workload("gpu-real",
                  WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
     ]
@@ -333,6 +344,122 @@ def bench_workload(workload: Workload, args, device: torch.device, log) -> dict:
     return report
 
 
+def bench_versus_fp32(workload: Workload, args, device: torch.device, log) -> dict:
+    """WanVAEDecoder (the first of --backends) against diffusers' fp32 decode of the same latents, interleaved."""
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: PLC0415
+
+    sd = random_weights(workload.config, seed=0)
+    vae = diffusers_vae(workload, sd)
+    if vae is None:
+        raise SystemExit(f"{workload.name} times diffusers' fp32 decode: install diffusers")
+    vae = vae.to(device)
+    decoder = WanVAEDecoder({k: v.to(device) for k, v in sd.items()}, device=device,
+                            frames_per_pass=args.frames_per_pass, local=True, backend=args.backends[0])
+    ours_line, theirs_line = f"WanVAEDecoder {decoder.backend}", "diffusers AutoencoderKLWan fp32"
+    rows, profiles = [], {}
+    for t in tuple(sorted(args.frames)) if args.frames else workload.frames:
+        z = seeded_latents(workload, t).to(device)
+
+        def theirs():
+            with torch.no_grad():
+                return vae.decode(z).sample
+
+        decodes = {ours_line: lambda: decoder.decode(z), theirs_line: theirs}
+        log(f"[{workload.name}] T={t}: a warm-up, then {args.repeats} interleaved runs of each ...")
+        outputs = {line: fn() for line, fn in decodes.items()}  # the warm-up (its outputs are the audit's)
+        stats = {line: [] for line in decodes}
+        for _ in range(args.repeats):
+            for line, fn in decodes.items():
+                _, s = measure(fn, device, 1, 0)
+                stats[line].append(s)
+        release = reference.decode(z.to(torch.bfloat16), sd, torch.bfloat16)
+        video_frames = 4 * t - 3
+        for line in decodes:
+            times = [s["times_s"][0] for s in stats[line]]
+            rows.append({"line": line, "backend": decoder.backend if line == ours_line else "diffusers fp32",
+                         "frames_per_pass": args.frames_per_pass if line == ours_line else None, "ranks": 1,
+                         "latent_frames": t, "video_frames": video_frames, "times_s": times,
+                         "median_s": statistics.median(times),
+                         "peak_rss_gib": max(s["peak_rss_gib"] for s in stats[line])})
+            log(f"    {line}: {_time_and_memory(rows[-1])}")
+        rows[-2]["speedup_vs_diffusers_fp32"] = rows[-1]["median_s"] / rows[-2]["median_s"]
+        rows[-2]["audit"] = audit(outputs[ours_line], outputs[theirs_line], release)
+        log(f"    {rows[-2]['speedup_vs_diffusers_fp32']:.2f}x diffusers fp32; audit {rows[-2]['audit']}")
+        if args.profile:
+            profiles[f"T={t}"] = {line: profile_ops(fn) for line, fn in decodes.items()}
+    report = {"workload": workload.name, "config": dataclasses.asdict(workload.config),
+              "latent_hw": list(workload.latent_hw),
+              "video_hw": [workload.config.spatial_scale * s for s in workload.latent_hw],
+              "baseline": theirs_line, "interleaved": True, "results": rows}
+    if profiles:
+        report["profiles"] = profiles
+    if args.conv_layouts:
+        log(f"[{workload.name}] conv layouts, per shape (1 thread, thread CPU time):")
+        report["conv_layouts"] = conv_layout_rows(workload, log)
+    return report
+
+
+def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3) -> list[dict]:
+    """Each distinct conv3d of the workload's decoder (Co, Ci, kernel, at its level's size for `frames` output
+    frames), by the portable op with fp32 weights channels last and channels first (what `weights.to_compute_layout`
+    chooses between): the op's thread CPU time on one thread (its own work, whatever else the machine runs), median
+    of `repeats` after a warm-up, conversions of the bf16 activations included."""
+    from fastvideo_pan2_ext.vae_kernel import ops  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel.weights import to_compute_layout  # noqa: PLC0415
+
+    c = workload.config
+    layers = {}
+    for name, shape in expected_shapes(c).items():
+        if len(shape) != 5 or not name.startswith("decoder."):
+            continue
+        level = len(c.dim_mult) - 1 if name.startswith("decoder.conv_out") else (
+            int(name.split(".")[2]) if name.startswith("decoder.up_blocks.") else 0)
+        co, ci, kt, kh, kw = shape
+        layers.setdefault((co, ci, kt, kh, kw, level), name)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for (co, ci, kt, kh, kw, level), name in layers.items():
+            h, w = (s * 2 ** level for s in workload.latent_hw)
+            g = torch.Generator().manual_seed(co + ci + kt)
+            x = torch.randn((1, frames + kt - 1, h + kh - 1, w, ci), generator=g).to(torch.bfloat16)
+            wt = (torch.randn((co, kt, kh, kw, ci), generator=g) / (ci * kt * kh * kw) ** 0.5).to(torch.bfloat16)
+            b, out = torch.zeros(co), torch.empty((1, frames, h, w, co), dtype=torch.bfloat16)
+            layouts = {"channels_last": wt.float(),
+                       "channels_first": wt.permute(0, 4, 1, 2, 3).float().contiguous().permute(0, 2, 3, 4, 1)}
+            times = {}
+            for layout, weight in layouts.items():
+                ops.conv3d(x, weight, b, out)
+                runs = []
+                for _ in range(repeats):
+                    t0 = time.thread_time()
+                    ops.conv3d(x, weight, b, out)
+                    runs.append(time.thread_time() - t0)
+                times[layout] = statistics.median(runs)
+            chosen = "channels_first" if ops.computes_channels_first(to_compute_layout(wt)) else "channels_last"
+            rows.append({"layer": name, "co": co, "ci": ci, "kernel": [kt, kh, kw], "frames": frames, "rows": h,
+                         "cols": w, **{f"{k}_s": v for k, v in times.items()},
+                         "faster": min(times, key=times.get), "chosen": chosen})
+            log(f"    conv {ci} -> {co} k{kt}x{kh}x{kw} at {frames}x{h}x{w}: channels last "
+                f"{times['channels_last'] * 1e3:.0f} ms, channels first {times['channels_first'] * 1e3:.0f} ms "
+                f"(chosen: {chosen})")
+    finally:
+        torch.set_num_threads(saved)
+    return rows
+
+
+def profile_ops(fn, top: int = 15) -> list[dict]:
+    """One torch.profiler run of fn(): the `top` ops by self CPU time (seconds, calls)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in events[:top]]
+
+
 def fast_decoders(sd_on_device: dict, args, device: torch.device) -> dict:
     """(backend, conv_algorithm) -> a single-rank WanVAEDecoder, one per distinct op table (on CPU "auto" is "direct",
     so asking for both times it once)."""
@@ -498,6 +625,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--baseline-repeats", type=int, default=1)
     p.add_argument("--baseline-warmup", type=int, default=0, help="(warm-ups run before the first T only)")
+    p.add_argument("--profile", action="store_true",
+                   help="versus-fp32 workloads (cpu-real-width): also profile one decode of each, per op")
+    p.add_argument("--conv-layouts", action="store_true",
+                   help="versus-fp32 workloads: also time each conv shape's op channels last vs channels first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (recorded in the JSON)")
     p.add_argument("--no-diffusers", action="store_true", help="use reference.decode bf16 as the baseline")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/<device>-<date>.json)")
@@ -531,7 +662,8 @@ def main(argv=None) -> dict:
         "workloads": [],
     }
     for name in names:
-        report["workloads"].append(bench_workload(WORKLOADS[name], args, device, log))
+        bench = bench_versus_fp32 if WORKLOADS[name].versus_fp32 else bench_workload
+        report["workloads"].append(bench(WORKLOADS[name], args, device, log))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))  # after each workload, so a long run keeps what it measured
     plot(report, out.with_suffix(".png"))

@@ -17,7 +17,8 @@ Layout rules every op may rely on (and every replacement must honour):
   That is what makes ranks, bands and tiles one mechanism: an op never knows whether its rows are the whole frame.
 - Weights come prepared once by `weights.prepare` (layouts documented there): conv weights bf16 [Co, kt, kh, kw, Ci],
   biases fp32 [Co], RMS-norm gammas fp32 [C] already multiplied by sqrt(C), sub-pixel upsample weights bf16
-  [2, 2, Co, 2, 2, Ci].
+  [2, 2, Co, 2, 2, Ci]. On a CPU `weights.load` holds them as fp32 of the same values (the dtype the CPU computes
+  in, converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); the portable ops take both.
 - Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores.
 """
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
 _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype:
@@ -40,17 +42,31 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def _is_channels_first(w: torch.Tensor) -> bool:
+    """w [Co, Ci, k...] laid out channels first only (a 1x1 kernel's weight is both layouts at once: channels last)."""
+    return w.is_contiguous() and not w.is_contiguous(memory_format=_CHANNELS_LAST[w.dim()])
+
+
+def computes_channels_first(w: torch.Tensor) -> bool:
+    """Whether the CPU conv3d runs with prepared weights w [Co, kt, kh, kw, Ci] channels first (`_conv`)."""
+    return _is_channels_first(w.permute(0, 4, 1, 2, 3))
+
+
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int]) -> torch.Tensor:
-    """A stride-1 conv of channels-last views (x [N, C, ...], w [Co, C, ...]); the result is channels last too.
+    """A stride-1 conv of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels last). On CPU it
+    computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
+    carry the per-shape choice), else channels last; on a GPU channels last. The result is in that layout.
 
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
     with oneDNN present (measured 2-20x slower here, and it returns channels-first output).
     """
     dtype = _compute_dtype(x.device)
-    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
+        x, w = x.to(dtype, memory_format=layout), w.to(dtype, memory_format=layout)  # no-ops where prepared so
         ones = [1] * len(padding)
-        return torch.mkldnn_convolution(x, w, b, padding, ones, ones, 1)
+        return torch.mkldnn_convolution(x, w, b.to(dtype), padding, ones, ones, 1)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
     return conv(x, w, b, padding=padding)
 

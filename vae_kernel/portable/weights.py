@@ -10,6 +10,13 @@
 | `post_quant_conv.weight`                 | fp32 [Co, 1, 1, 1, Ci] (applied in fp32 to the caller's latents)    |
 | bias [Co]                                | fp32 [Co]                                                           |
 | RMS-norm gamma [C, 1, 1(, 1)]            | fp32 [C], multiplied by sqrt(C) (Wan's RMS_norm scale)              |
+
+On a CPU, which computes the convs in fp32 (`ops._conv`), `load` goes one step further (`to_compute_layout`): the
+bf16 weights are held as fp32 (the same bf16-rounded values, converted once here instead of on every call), and the
+3x3 convs whose input and output both have at least `CPU_CHANNELS_FIRST_MIN` channels are laid out channels first
+(the same logical [Co, kt, kh, kw, Ci], strides of a contiguous [Co, Ci, kt, kh, kw]), which the conv op follows:
+oneDNN runs those shapes faster channels first, the narrower and 1x1 ones channels last (measured per shape:
+bench/results/cpu-conv-layouts-2026-12-01.json).
 """
 
 from __future__ import annotations
@@ -50,6 +57,20 @@ def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return w.float() if name == "post_quant_conv.weight" else w.to(torch.bfloat16)
 
 
+CPU_CHANNELS_FIRST_MIN = 512
+
+
+def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
+    """A prepared tensor as the CPU conv computes with it (see the module docstring): bf16 -> fp32 holding the same
+    values; wide 3x3 conv weights re-laid channels first."""
+    if prepared.dtype != torch.bfloat16:
+        return prepared
+    wide = min(prepared.shape[0], prepared.shape[-1]) >= CPU_CHANNELS_FIRST_MIN
+    if prepared.dim() == 5 and prepared.shape[2] == 3 and wide:
+        return prepared.permute(0, 4, 1, 2, 3).float().contiguous().permute(0, 2, 3, 4, 1)
+    return prepared.float()
+
+
 def state_dict_of(vae_or_state_dict) -> dict[str, torch.Tensor]:
     """A state dict from diffusers' `AutoencoderKLWan` (any module with `state_dict()`) or a dict as is."""
     if isinstance(vae_or_state_dict, dict):
@@ -72,10 +93,13 @@ def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch
 
 
 def load(vae_or_state_dict, device: torch.device) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    """Validate the weights and prepare them on `device`."""
+    """Validate the weights and prepare them on `device` (on a CPU in its compute layout: `to_compute_layout`)."""
     config, tensors = _checked(state_dict_of(vae_or_state_dict))
     with own_arithmetic(device):
-        return config, {name: prepare(name, t.to(device)) for name, t in tensors.items()}
+        prepared = {name: prepare(name, t.to(device)) for name, t in tensors.items()}
+        if device.type == "cpu":
+            prepared = {name: to_compute_layout(t) for name, t in prepared.items()}
+        return config, prepared
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:
