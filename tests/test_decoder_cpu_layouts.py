@@ -10,8 +10,9 @@ from _decoder_allowance import check_allowance
 from _vae_helpers import random_wan22_decoder_weights
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, ops
-from fastvideo_pan2_ext.vae_kernel.weights import (
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.portable import ops
+from fastvideo_pan2_ext.vae_kernel.portable.weights import (
     CPU_CHANNELS_FIRST_MIN,
     load,
     prepare,

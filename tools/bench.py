@@ -404,9 +404,9 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
     frames), by the portable op with fp32 weights channels last and channels first (what `weights.to_compute_layout`
     chooses between): the op's thread CPU time on one thread (its own work, whatever else the machine runs), median
     of `repeats` after a warm-up, conversions of the bf16 activations included."""
-    from fastvideo_pan2_ext.vae_kernel import ops  # noqa: PLC0415
-    from fastvideo_pan2_ext.vae_kernel.architecture import expected_shapes  # noqa: PLC0415
-    from fastvideo_pan2_ext.vae_kernel.weights import to_compute_layout  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes  # noqa: PLC0415
+    from fastvideo_pan2_ext.vae_kernel.portable.weights import to_compute_layout  # noqa: PLC0415
 
     c = workload.config
     layers = {}
