@@ -308,7 +308,7 @@ def test_bad_targets_are_refused():
 def test_importing_the_entry_points_does_not_import_fastvideo():
     code = ("import sys, fastvideo_pan2_ext as p; p.enable_fast_decode; p.disable_fast_decode; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'fastvideo'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
 
