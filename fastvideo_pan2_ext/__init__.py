@@ -3,7 +3,8 @@
 Rooms (docs/design.md, "Rooms"): `plugin_loader` (FastVideo plugins, generic), `integration` (PAN2 in FastVideo: the
 one seam to FastVideo's internals, registration, CLI, pipeline and stages), `demo` (demos and the tiny checkpoint
 maker), `configs`, `attention`, `vae_kernel` (the decoder library, usable without FastVideo), `reference` (the
-definition of results), `image` and `video_io`.
+definition of results), `image` and `video_io`, and `diffusers_decode` (the fast decoder for diffusers' Wan VAE:
+`enable_fast_decode` / `disable_fast_decode`).
 
 Importing this package is cheap: FastVideo, torch and the config classes are imported only when one of the names
 below is first used.
@@ -11,7 +12,8 @@ below is first used.
 
 from fastvideo_pan2_ext.version import __version__
 
-__all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "register", "__version__"]
+__all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "register", "enable_fast_decode", "disable_fast_decode",
+           "__version__"]
 
 
 def register() -> None:
@@ -30,4 +32,8 @@ def __getattr__(name: str):
         from fastvideo_pan2_ext.integration.pipeline import PAN2Pipeline
 
         return PAN2Pipeline
+    if name in ("enable_fast_decode", "disable_fast_decode"):  # diffusers' Wan VAE; FastVideo is not imported
+        from fastvideo_pan2_ext import diffusers_decode
+
+        return getattr(diffusers_decode, name)
     raise AttributeError(f"module 'fastvideo_pan2_ext' has no attribute {name!r}")

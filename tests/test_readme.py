@@ -40,7 +40,7 @@ def _bash(code: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_readme_has_the_three_blocks():
-    assert set(readme_blocks()) == {"checkpoint", "cli", "python"}
+    assert set(readme_blocks()) == {"checkpoint", "cli", "python", "diffusers_checkpoint", "diffusers"}
     assert 'if __name__ == "__main__":' in readme_blocks()["python"]
 
 
