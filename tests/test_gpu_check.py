@@ -31,7 +31,7 @@ from fastvideo_pan2_ext.vae_kernel import build
 
 pytestmark = [
     pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (nvcc) on this machine"),
-    pytest.mark.timeout(2400),
+    pytest.mark.timeout(2700),
     pytest.mark.slow,
 ]
 
@@ -101,7 +101,7 @@ def _dry_run(machine, out: Path, part: int, *extra: str) -> tuple[subprocess.Com
     tree, env = machine
     start = time.monotonic()
     done = subprocess.run(["bash", "tools/gpu_check.sh", "--part", str(part), "--dry-run", "--out", str(out), *extra],
-                          cwd=tree, env=env, capture_output=True, text=True, timeout=2300)
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=2250)
     wall = time.monotonic() - start
     report = json.loads((out / f"gpu_check_dry_run_part{part}.json").read_text())
     print(f"\ndry-run rehearsal of part {part}: {wall:.0f} s wall, {report.get('total_seconds')} s in the check")
@@ -132,9 +132,9 @@ PART1 = {}
 
 def test_part_1_builds_self_checks_and_times_t_max_inside_its_deadline(machine, tmp_path, tmp_path_factory):
     cache = _shared_cache(tmp_path_factory)
-    done, report, wall = _dry_run(machine, tmp_path, 1, "--build-root", str(cache), "--deadline", "900")
+    done, report, wall = _dry_run(machine, tmp_path, 1, "--build-root", str(cache), "--deadline", "1800")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert report["skipped"] == [] and wall < 900 + 60 and report["total_seconds"] < 900
+    assert report["skipped"] == [] and wall < 1800 + 60 and report["total_seconds"] < 1800
     failed = {k: v for k, v in report.items() if isinstance(v, dict) and "error" in v}
     assert not failed, failed
     big = max(report["sizes"]["timing_t"])
@@ -176,9 +176,9 @@ def test_part_1_builds_self_checks_and_times_t_max_inside_its_deadline(machine, 
 
 def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(machine, tmp_path, tmp_path_factory):
     cache = _shared_cache(tmp_path_factory)
-    done, report, wall = _dry_run(machine, tmp_path, 2, "--build-root", str(cache), "--deadline", "1500")
+    done, report, wall = _dry_run(machine, tmp_path, 2, "--build-root", str(cache), "--deadline", "2100")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert report["skipped"] == [] and wall < 1500 + 120 and report["total_seconds"] < 1500
+    assert report["skipped"] == [] and wall < 2100 + 120 and report["total_seconds"] < 2100
     failed = {k: v for k, v in report.items() if isinstance(v, dict) and "error" in v}
     assert not failed, failed
     assert list(report)[-2:] == ["pipeline", "total_seconds"] or list(report)[-3:-1] == ["pipeline", "total_seconds"]
