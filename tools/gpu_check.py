@@ -660,11 +660,11 @@ def pipeline(ctx: Context, timeout: float) -> dict:
     video = out / "pan2_demo.mp4"
     if done.returncode != 0 or not video.is_file():
         return result | {"ok": False, "log_tail": log[-4000:]}
-    from fastvideo_pan2_ext.video_io import read_video_frames  # noqa: PLC0415
+    from fastvideo_pan2_ext.video_io import mp4_size  # noqa: PLC0415
 
-    frames_read = read_video_frames(video)
+    stored_h, stored_w, stored_frames = mp4_size(video)
     backend = re.search(r"fast VAE decoder: backend (\w+)", log)
-    result.update(video_frames=int(frames_read.shape[0]), video_hw=list(frames_read.shape[1:3]),
+    result.update(video_frames=stored_frames, video_hw=[stored_h, stored_w],
                   backend=backend.group(1) if backend else None,
                   streamed="while decoding" in log)
     want_backend = "torch" if ctx.dry_run else "compiled"
