@@ -654,7 +654,7 @@ def pipeline(ctx: Context, timeout: float) -> dict:
                           cwd=ctx.scratch, env=env)
     log = done.stdout + done.stderr
     result = {"argv": argv[1:], "seconds": round(time.monotonic() - start, 1), "exit_code": done.returncode,
-              "fastvideo": probe.stdout.strip(),
+              "fastvideo": probe.stdout.strip().splitlines()[-1],
               "decoder_lines": [line.strip()[-300:] for line in log.splitlines()
                                 if "fast VAE decoder" in line or "PAN2 decode" in line or "decoder:" in line][:8]}
     video = out / "pan2_demo.mp4"
