@@ -9,6 +9,7 @@ allowance, the child-process verification and the loader's once-per-process memo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -198,3 +199,26 @@ def test_the_verification_child_imports_this_package_whatever_its_working_direct
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SELF_CHECK_JSON" in done.stdout
     assert argv[0] == sys.executable
+
+
+def test_a_case_that_fell_back_to_the_portable_op_fails_the_self_check(monkeypatch):
+    """A table whose rms_norm_silu hands every call to the portable op (counted, as kernels.py counts a layout the
+    kernels cannot take): its numbers are the definition's, yet the case fails, the check stops there, and the loader
+    refuses the table."""
+    monkeypatch.setattr(selfcheck, "SUPPORTED_CONFIGS", NARROW)
+    table = make_ops(EmulatedExtension())
+
+    def portable_norm(x, gamma, out, silu=True):
+        table.fallbacks["rms_norm_silu: injected by the test"] += 1
+        ops.rms_norm_silu(x, gamma, out, silu)
+
+    fell_back = dataclasses.replace(table, rms_norm_silu=portable_norm)
+    results = selfcheck.self_check(fell_back, CPU)
+    last = results[-1]
+    assert last.report.name.startswith("rms_norm_silu") and last.report.ok, "the numbers are within the allowance"
+    assert not last.ok and last.fallbacks == {"rms_norm_silu: injected by the test": 1}
+    assert "FAILED: fell back to the portable op" in str(last)
+    assert all(r.ok for r in results[:-1]) and not any(r.report.name.startswith("decode") for r in results)
+    assert len(selfcheck.self_check(fell_back, CPU, keep_going=True)) > len(results)
+    with pytest.raises(CompiledUnavailable, match="fell back to the portable op"):
+        loader.load_ops(CPU, factory=lambda device: fell_back)

@@ -1,50 +1,57 @@
-"""The one-shot GPU check of the compiled decoder (run it through tools/gpu_check.sh; docs/design.md, "The GPU check").
+"""The GPU check of the compiled decoder, in two commands (run it through tools/gpu_check.sh; docs/gpu-check.md says
+how, docs/design.md, "The GPU check", why).
 
-Everything a 15-minute GPU loan must answer, in one run that cannot lose what it measured:
-- build: cold then warm, each in a fresh process with a time limit; the kernels' registers, spills and shared memory
-  (ptxas -v, from the build log);
-- the compiled op table's self-check at every production op shape (child process, every case reported; run as the
-  loader runs it, so its pass is remembered and the later steps do not check the table again);
-- correctness against the fp32 reference (T = 2, 8, and 49 from the timing runs): the release bf16 decode, the
-  portable decoder, the compiled decoder, under the allowance;
-- timing at T = 49 and 31 (704x1248): the release decode with bf16 weights resident on the GPU, diffusers' own
-  `AutoencoderKLWan.decode` in bf16 under autocast (when the bundle brings diffusers), the portable and the compiled
-  decoder; median of 3 after a warm-up of several 4-frame passes; peak memory; for each fast decoder, which
-  algorithm ran each (kt, 3, 3) conv ("conv_algorithms");
-- Winograd F(2x2, 3x3): the compiled Winograd table's self-check (every case); each dominant layer shape by the
-  direct and the Winograd kernels (TFLOP/s effective and actual, the allowance, which is faster, and the suggested
-  `backends.MEASURED_WINOGRAD_LAYERS` entry for this GPU); the compiled decoder's whole decode at T = 49 with every
-  3x3 conv by Winograd (median of 3, allowance, peak memory), beside the direct one's;
-- peak allocated / reserved at frames_per_pass 1, 2, 4 and auto (and the planner's replay estimate beside it);
-- a torch.profiler kernel table (top 20) of one 4-frame pass, and host vs GPU time per pass;
-- TFLOP/s of our conv against cuDNN's channels-last conv3d on the dominant layer shapes;
-- last (the first to go under the deadline): the Wan2.1 VAE at 480x832 and 720x1280, 81 frames (T = 21), the
-  release decode (`reference.decode` in bf16, weights resident in bf16) against the compiled decoder, median of 3.
+Part 1 (`--part 1`, about 240 s on an H200): what decides the design, first.
+- build: cold then warm, each in a fresh process; the kernels' registers, spills and shared memory (ptxas -v);
+- the compiled op table's self-check at every production op shape, then the Winograd table's (every case reported;
+  run as the loader runs it, so a pass is remembered and no later step checks the table again);
+- the whole decode at T = 49 (704x1248) by the compiled direct kernels, the compiled Winograd kernels and the portable
+  decoder: one timed repeat after a warm-up, peak memory, which algorithm ran each (kt, 3, 3) conv, the calls that
+  fell back to the portable op, and the allowance against an fp32 oracle of the first few latent frames (the decoder
+  is causal in time: those frames of a T = 49 decode are the whole decode of its first latent frames).
+Part 2 (`--part 2`): the rest.
+- the same build and self-checks (remembered from part 1 on the same machine; done again on a fresh one);
+- correctness at T = 2 and 8 against the whole fp32 reference: the release bf16, portable and compiled decodes;
+- what the self-check never exercises (`coverage`): a Winograd GEMM with more tiles than the GPU has SMs, a conv in
+  several Winograd bands, the sub-pixel conv writing more than 2^31 elements, two weight sets in one process;
+- baselines at T = 49, one repeat each after a warm-up: the release decode (bf16 weights resident), diffusers' own
+  `AutoencoderKLWan.decode` in bf16 under autocast (the bundle brings diffusers);
+- peak memory at frames_per_pass 1, 2, 4 and auto, beside the planner's replay estimate;
+- a torch.profiler kernel table (top 20) of one 4-frame pass; our conv against cuDNN's on the dominant layer shapes;
+  each dominant (kt, 3, 3) layer by the direct and the Winograd kernels (the suggested
+  `backends.MEASURED_WINOGRAD_LAYERS` entry);
+- T = 31; the Wan2.1 VAE at 480x832 and 720x1280, 81 frames;
+- last, with its time reserved from the start: the PAN2 pipeline end to end in FastVideo on the tiny checkpoint, the
+  fast decoder on, the mp4 streamed while decoding (`python -m fastvideo_pan2_ext.demo`).
 
-Order: build, self-check, correctness, T = 49 timing, the Winograd steps, memory, profile, conv bench, T = 31,
-Wan2.1: the most valuable first.
+Every step runs in a child process of its own (a new process group) under a hard time limit: the smaller of its own
+cap and what is left of `--deadline`; at the limit the group is killed and the step recorded as timed out, so the run
+cannot pass its deadline. A step whose expected time no longer fits is skipped and named in `skipped`; once a
+self-check fails, the steps that need its table are skipped with that reason (no child checks it again). The JSON is
+replaced atomically after every step. Each compiled decode records the calls its table handed to the portable op
+(`fallbacks`); `compiled_ok` is false if any timed or audited compiled decode fell back. Exit code 0 only if every
+compiled step that ran passed.
 
-Failure isolation: the release and portable decodes run here first; every compiled measurement runs in a child
-process of its own, so a CUDA fault is that step's error (with the message) and the run goes on. `--deadline`
-skips what no longer fits and says so; every subprocess has a time limit; the JSON is replaced atomically after every
-measurement. Exit code 0 only if the compiled decoder built, passed the self-check and met the allowance at every size.
-
-`--dry-run` runs all of it on CPU at tiny sizes (the Winograd and Wan2.1 steps included): the build really compiles
-(sm_90a, compile-only), and the compiled decoder is the emulated extension (`vae_kernel/compiled/emulated_extension.py`, the
-Winograd kernels' API too) loaded through the same loader and child-process self-check as a built one;
-`--stand-in emulated-abort` makes every compiled child die, to prove the isolation. The dry run is single-threaded
-(`single_threaded_cpu`).
+`--dry-run` runs all of it on CPU at tiny sizes: the build really compiles (sm_90a, compile-only), and the compiled
+decoder is the emulated extension (`vae_kernel/compiled/emulated_extension.py`, the Winograd kernels' API too) loaded through
+the same loader and child-process self-check as a built one; `--stand-in emulated-abort` makes every compiled child
+die, to prove the isolation. The dry run is single-threaded (`single_threaded_cpu`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import gc
 import json
+import math
 import os
 import platform
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +61,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
@@ -63,7 +71,7 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG,
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.compiled.kernels import make_ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
 from tools.bench import conv_layer_inputs, conv_speeds  # noqa: E402
@@ -75,26 +83,33 @@ TINY_WAN21 = WanVAEConfig(z_dim=16, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), n
                           temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
 # layout -> (the real decoder, the dry run's narrow one)
 CONFIGS = {"wan22": (WAN22_CONFIG, TINY), "wan21": (WAN21_CONFIG, TINY_WAN21)}
-# (latent rows, cols), correctness T, timing T (the largest also audited), memory T, frames_per_pass to measure;
-# the Wan2.1 VAE's video sizes (rows, cols) and latent frames (T = 21: 81 frames), timed last.
-FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), memory_t=9, memory_fpp=(1, 2, 4, "auto"),
-            wan21_hw=((480, 832), (720, 1280)), wan21_t=21)
-DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), memory_t=5, memory_fpp=(1, 2, 4, "auto"),
-           wan21_hw=((16, 24), (24, 32)), wan21_t=3)
+# (latent rows, cols); correctness T (whole fp32 oracle); timing T (the largest is part 1's, audited on its first
+# `oracle_frames` latent frames); memory T and frames_per_pass; the Wan2.1 VAE's video sizes and T (21: 81 frames);
+# the coverage step's sub-pixel conv (channels, frames, rows, cols of its input: 20 frames of the 512-channel one at
+# 704x1248 write 2.25e9 > 2^31 elements) and the pipeline's video (height, width, frames, steps).
+FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), oracle_frames=3, memory_t=9,
+            memory_fpp=(1, 2, 4, "auto"), wan21_hw=((480, 832), (720, 1280)), wan21_t=21,
+            big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2))
+DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), oracle_frames=2, memory_t=5,
+           memory_fpp=(1, 2, 4, "auto"), wan21_hw=((16, 24), (24, 32)), wan21_t=3,
+           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1))
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
                (512, 256, (3, 3, 3), 8), (256, 256, (3, 3, 3), 8)]
 BENCH_UPSAMPLES = [(1024, 1), (1024, 2), (512, 4)]  # (channels, scale of the low-resolution input)
 WARMUP_T = 9  # the warm-up decode: the first frame, then two 4-frame passes
-REPEATS = 3
+REPEATS = 1  # timed decodes after the warm-up (the lease buys numbers, not error bars)
+WINOGRAD_TILE = (128, 256)  # csrc/winograd.cu's TileShape (M, N) of one persistent CTA's GEMM tile
 TAG = "GPU_CHECK_CHILD "
+DEFAULT_DEADLINES = {1: 300.0, 2: 420.0}  # seconds; each inside one 600 s device command with room to spare
+PIPELINE = "pipeline"
 
 
 # --------------------------------------------------------------------------------------------------- bookkeeping
 
 
 class Report:
-    """The JSON result, replaced atomically (temp file + rename) after every measurement."""
+    """The JSON result, replaced atomically (temp file + rename) after every step."""
 
     def __init__(self, path: Path, data: dict) -> None:
         self.path, self.data = path, data
@@ -111,7 +126,7 @@ class Report:
 
 
 class Clock:
-    """The run's deadline: steps that no longer fit are skipped and named in the report."""
+    """The run's deadline."""
 
     def __init__(self, seconds: float) -> None:
         self.end = time.monotonic() + seconds
@@ -177,7 +192,25 @@ def measured(ctx: Context, record: dict):
 
 
 def audit(name: str, video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> dict:
-    return compare_to_reference(name, video, ref32, release, unit_range=True).figures()
+    """The allowance figures of `video` against the oracle; an oracle of fewer latent frames judges the frames it
+    covers (the decoder is causal in time)."""
+    frames = ref32.shape[2]
+    return compare_to_reference(name, video[:, :, :frames], ref32, release, unit_range=True).figures()
+
+
+@contextlib.contextmanager
+def counting_fallbacks(ctx: Context, name: str, entry: dict):
+    """Into entry["fallbacks"]: the calls the compiled table of decoder `name` handed to the portable op during the
+    block (op: reason -> count; empty: every call ran on the kernels). Nothing for the other decoders."""
+    table = op_table(ctx, name) if name.startswith("compiled") else None
+    before = dict(table.fallbacks) if table is not None else {}
+    yield
+    if table is not None:
+        entry["fallbacks"] = fallback_delta(table, before)
+
+
+def fallback_delta(table: Ops, before: dict) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in table.fallbacks.items() if v != before.get(k, 0)}
 
 
 # --------------------------------------------------------------------------------------------------- decoders
@@ -256,27 +289,34 @@ def correctness(ctx: Context, names) -> dict:
     runners = decoders(ctx, names)
     for t in ctx.sizes["correctness_t"]:
         ref32, release = load_oracle(ctx, t)
-        out[t] = {name: audit(name, run(ctx.latents(t)), ref32, release) for name, run in runners.items()}
+        out[t] = {}
+        for name, run in runners.items():
+            entry = {}
+            with counting_fallbacks(ctx, name, entry):
+                video = run(ctx.latents(t))
+            out[t][name] = audit(name, video, ref32, release) | entry
     return out
 
 
 def timing(ctx: Context, names, t: int) -> dict:
-    """decoder -> median of REPEATS after a warm-up, peak memory; at the audited T, the allowance figures too."""
+    """decoder -> median of REPEATS after a warm-up, peak memory, the calls that fell back (compiled tables); where
+    an oracle of this T was made, the allowance figures too."""
     out = {}
-    audited = t == max(ctx.sizes["timing_t"])
     for name, run in decoders(ctx, names).items():
-        run(ctx.latents(WARMUP_T, seed=99))  # first-call costs (cuDNN autotune, kernel loading) stay out
-        runs, video, plan = [], None, plan_of(run, (1, ctx.config.z_dim, t, *ctx.latent_hw))
-        for _ in range(REPEATS):
-            del video
-            record = {}
-            with measured(ctx, record):
-                video = run(ctx.latents(t))
-            runs.append(record)
-        entry = {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs, "plan": plan}
+        entry: dict = {}
+        with counting_fallbacks(ctx, name, entry):
+            run(ctx.latents(WARMUP_T, seed=99))  # first-call costs (cuDNN autotune, kernel loading) stay out
+            runs, video, plan = [], None, plan_of(run, (1, ctx.config.z_dim, t, *ctx.latent_hw))
+            for _ in range(REPEATS):
+                del video
+                record = {}
+                with measured(ctx, record):
+                    video = run(ctx.latents(t))
+                runs.append(record)
+        entry |= {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs, "plan": plan}
         if (table := op_table(ctx, name)) is not None:
             entry["conv_algorithms"] = layer_algorithms(table, ctx.config)
-        if audited and oracle_path(ctx, t).exists():
+        if oracle_path(ctx, t).exists():
             ref32, release = load_oracle(ctx, t)
             entry["allowance"] = audit(name, video, ref32, release)
         out[name] = entry
@@ -292,7 +332,7 @@ def memory(ctx: Context, names) -> dict:
         out[fpp] = {}
         for name, run in decoders(ctx, names, frames_per_pass=fpp).items():
             record = {"plan": plan_of(run, (1, ctx.config.z_dim, t, *ctx.latent_hw))}
-            with measured(ctx, record):
+            with counting_fallbacks(ctx, name, record), measured(ctx, record):
                 run(ctx.latents(t))
             replay = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend="torch", frames_per_pass=fpp)
             record["replay_peak_gib"] = round(replay.peak_bytes(ctx.latents(t).shape) / 2**30, 3)
@@ -308,14 +348,16 @@ def profile(ctx: Context, names) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     out = {}
     for name, run in decoders(ctx, names, frames_per_pass=4).items():
-        run(ctx.latents(5, seed=98))
-        z = ctx.latents(5)
-        with torch_profile(activities=activities) as prof:
-            start = time.perf_counter()
-            run(z)
-            host = time.perf_counter() - start
-            ctx.sync()
-            wall = time.perf_counter() - start
+        counted: dict = {}
+        with counting_fallbacks(ctx, name, counted):
+            run(ctx.latents(5, seed=98))
+            z = ctx.latents(5)
+            with torch_profile(activities=activities) as prof:
+                start = time.perf_counter()
+                run(z)
+                host = time.perf_counter() - start
+                ctx.sync()
+                wall = time.perf_counter() - start
         events = prof.key_averages()
         rows = sorted(events, key=lambda e: (e.self_device_time_total, e.self_cpu_time_total), reverse=True)[:20]
         device_total = sum(e.self_device_time_total for e in events)
@@ -324,7 +366,7 @@ def profile(ctx: Context, names) -> dict:
             "device_kernel_seconds": round(device_total / 1e6, 4),
             "top20": [{"name": e.key[:120], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 3),
                        "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in rows],
-        }
+        } | counted
     return out
 
 
@@ -337,9 +379,11 @@ def dominant_convs(ctx: Context) -> list[tuple[str, int, int, tuple[int, int, in
     return cases
 
 
-def conv_bench(ctx: Context) -> list[dict]:
-    """TFLOP/s of the compiled conv vs torch's (cuDNN) channels-last conv3d on the dominant layer shapes."""
+def conv_bench(ctx: Context) -> dict:
+    """TFLOP/s of the compiled conv vs torch's (cuDNN) channels-last conv3d on the dominant layer shapes; the calls
+    that fell back."""
     table = loader.load_ops(ctx.device, arch=ctx.arch)
+    before = dict(table.fallbacks)
     h, w = ctx.latent_hw
     frames = 4
     g = torch.Generator(ctx.device).manual_seed(3)
@@ -377,7 +421,7 @@ def conv_bench(ctx: Context) -> list[dict]:
             row[f"{label}_ms"] = round(seconds * 1e3, 3)
             row[f"{label}_tflops"] = round(flops / seconds / 1e12, 4)
         rows.append(row)
-    return rows
+    return {"layers": rows, "fallbacks": fallback_delta(table, before)}
 
 
 def winograd_conv_bench(ctx: Context) -> dict:
@@ -387,6 +431,7 @@ def winograd_conv_bench(ctx: Context) -> dict:
     `backends.MEASURED_WINOGRAD_LAYERS` entry (what conv_algorithm "auto" then runs by Winograd)."""
     direct = loader.load_ops(ctx.device, arch=ctx.arch)
     winograd = loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    before = {"direct": dict(direct.fallbacks), "winograd": dict(winograd.fallbacks)}
     h, w = ctx.latent_hw
     rows = []
     for op, ci, co, (kt, kh, kw), s in dominant_convs(ctx):
@@ -401,7 +446,8 @@ def winograd_conv_bench(ctx: Context) -> dict:
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else f"{ctx.arch} (dry run)"
     return {"direct_table": direct.name, "winograd_table": winograd.name, "layers": rows,
             "suggested_measured_winograd_layers": {gpu: [list(layer) for layer in won]},
-            "suggested_entry": f"{gpu!r}: frozenset({won!r}),"}
+            "suggested_entry": f"{gpu!r}: frozenset({won!r}),",
+            "fallbacks": fallback_delta(direct, before["direct"]) | fallback_delta(winograd, before["winograd"])}
 
 
 def winograd_conv_allowance(table: Ops, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict:
@@ -435,21 +481,6 @@ def time_fn(ctx: Context, fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def compiled_self_check(ctx: Context, winograd: bool = False) -> dict:
-    """The compiled op table's self-check (its (kt, 3, 3) convs by the Winograd kernels if `winograd`), run as the
-    loader runs it (`verification.verify_build_isolated`: in a process of its own, a pass remembered in the build
-    cache, so the steps after this one load the table without checking it again); after a failure, every case
-    again, past the first failing one, for the whole diagnosis."""
-    ext = extension.open_extension(ctx.arch)
-    try:
-        results = verification.verify_build_isolated(ext, ctx.device, winograd=winograd)  # returns only a pass
-        verdict = {"ok": True}
-    except extension.CompiledUnavailable as exc:
-        results = selfcheck.self_check(make_ops(ext, winograd_convs=winograd), ctx.device, keep_going=True)
-        verdict = {"ok": False, "verification": str(exc)[-4000:]}
-    return verdict | {"cases": [r.to_json() | {"text": str(r)} for r in results]}
-
-
 # --------------------------------------------------------------------------------------------------- the oracle
 
 
@@ -458,12 +489,15 @@ def oracle_path(ctx: Context, t: int) -> Path:
     return ctx.scratch / f"oracle_{ctx.layout}_{h}x{w}_T{t}.pt"
 
 
-def make_oracle(ctx: Context, t: int) -> None:
-    """The fp32 reference and the release bf16 decode of T latent frames, saved for this process and the children."""
-    z = ctx.latents(t)
-    torch.save({"ref32": reference.decode(z, ctx.weights(), torch.float32).cpu(),
-                "release": reference.decode(z, ctx.weights(torch.bfloat16), torch.bfloat16).cpu()},
+def make_oracle(ctx: Context, t: int, frames: int | None = None) -> dict:
+    """The fp32 reference and the release bf16 decode of the first `frames` (default: all) of the T latent frames
+    the decoders decode, saved in the scratch folder for the steps after this one."""
+    z = ctx.latents(t)[:, :, :frames or t]
+    with exact_fp32():
+        ref32 = reference.decode(z, ctx.weights(), torch.float32).cpu()
+    torch.save({"ref32": ref32, "release": reference.decode(z, ctx.weights(torch.bfloat16), torch.bfloat16).cpu()},
                oracle_path(ctx, t))
+    return {"t": t, "latent_frames": z.shape[2], "video_frames": ref32.shape[2]}
 
 
 def load_oracle(ctx: Context, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,37 +505,212 @@ def load_oracle(ctx: Context, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return saved["ref32"].to(ctx.device), saved["release"].to(ctx.device)
 
 
+def compiled_self_check(ctx: Context, winograd: bool = False) -> dict:
+    """The compiled op table's self-check (its (kt, 3, 3) convs by the Winograd kernels if `winograd`), run as the
+    loader runs it (`verification.verify_build_isolated`: in a process of its own, a pass remembered in the build
+    cache, so the steps after this one load the table without checking it again); after a failure, every case
+    again, past the first failing one, for the whole diagnosis. A case that fell back to the portable op failed."""
+    ext = extension.open_extension(ctx.arch)
+    try:
+        results = verification.verify_build_isolated(ext, ctx.device, winograd=winograd)  # returns only a pass
+        verdict = {"ok": all(r.ok for r in results)}
+    except extension.CompiledUnavailable as exc:
+        results = selfcheck.self_check(make_ops(ext, winograd_convs=winograd), ctx.device, keep_going=True)
+        verdict = {"ok": False, "verification": str(exc)[-4000:]}
+    return verdict | {"cases": [r.to_json() | {"text": str(r), "ok": r.ok} for r in results]}
+
+
+# --------------------------------------------------------------------------------------------------- coverage
+
+
+def coverage(ctx: Context) -> dict:
+    """What the user's self-check never exercises (its cases are small), each judged by the allowance and recorded on
+    its own: a Winograd GEMM with more tiles than SMs, a conv in several Winograd bands, the sub-pixel conv writing
+    more than 2^31 elements, two weight sets decoded by one compiled table in one process."""
+    out = {}
+    for name, check in (("winograd_many_tiles_and_bands", winograd_large), ("subpixel_over_2e31", subpixel_large),
+                        ("two_weight_sets", two_weight_sets)):
+        try:
+            out[name] = check(ctx)
+        except Exception as exc:  # recorded; the other checks still run
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["ok"] = all(v.get("ok") is True for v in out.values())
+    return out
+
+
+def winograd_large(ctx: Context) -> dict:
+    """The 1024-channel (3, 3, 3) conv at its real size (4 frames, latent x 2) by the compiled Winograd kernels: its
+    GEMMs have more 128x256 tiles than the GPU has SMs (each persistent CTA takes several) and the conv runs in several
+    bands of tile rows; the output against the fp32 conv."""
+    table = loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    before = dict(table.fallbacks)
+    h, w = ctx.latent_hw
+    c = 1024 if not ctx.dry_run else 16
+    x, weight, b = conv_layer_inputs((c, c, 3), 4, 2 * h, 2 * w, ctx.device)
+    _, ti, hi, cols, ci = x.shape
+    frames, rows = ti - 2, hi - 2
+    tiles_h, tiles_w = math.ceil(rows / 2), math.ceil(cols / 2)
+    band_bytes = CompiledKernels.winograd_band_bytes if not ctx.dry_run else 16 * tiles_w * (ti * ci * 2 + frames * c
+                                                                                               * 4) * 2
+    row_bytes = 16 * tiles_w * (ti * ci * 2 + frames * c * 4)  # CompiledKernels._winograd_bands' rule
+    bands = math.ceil(tiles_h / max(1, band_bytes // row_bytes))
+    band_tiles = math.ceil(tiles_h / bands) * tiles_w
+    gemm_tiles = 16 * math.ceil(frames * band_tiles / WINOGRAD_TILE[0]) * math.ceil(c / WINOGRAD_TILE[1])
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.device.type == "cuda" else None
+    with patched_band_bytes(band_bytes):
+        figures = winograd_conv_allowance(table, x, weight, b)
+    fell = fallback_delta(table, before)
+    many_tiles = sms is None or gemm_tiles > sms
+    return {"layer": [c, c, 3], "input": list(x.shape), "bands": bands, "gemm_tiles_per_band": gemm_tiles,
+            "sms": sms, "allowance": figures, "fallbacks": fell,
+            "ok": figures["ok"] and not fell and bands > 1 and many_tiles}
+
+
+@contextlib.contextmanager
+def patched_band_bytes(band_bytes: int):
+    """The dry run's tiny conv in several bands: its band budget set to two tile rows (the real size needs none)."""
+    saved = CompiledKernels.winograd_band_bytes
+    CompiledKernels.winograd_band_bytes = band_bytes
+    try:
+        yield
+    finally:
+        CompiledKernels.winograd_band_bytes = saved
+
+
+def subpixel_large(ctx: Context) -> dict:
+    """The 512-channel sub-pixel conv (nearest 2x upsample + 3x3) on 20 frames at its real size: its 4-phase
+    intermediate and its output have more than 2^31 elements (int64 indexing). Judged on the first and the last two
+    frames (each frame is independent) against the fp32 definition."""
+    table = loader.load_ops(ctx.device, arch=ctx.arch)
+    before = dict(table.fallbacks)
+    c, frames, rows, cols = ctx.sizes["big_subpixel"]
+    g = torch.Generator(ctx.device).manual_seed(5)
+    x = torch.randn(frames, rows + 2, cols, c, generator=g, device=ctx.device).to(torch.bfloat16)
+    w3 = (torch.randn(c, c, 3, 3, generator=g, device=ctx.device) / (9 * c) ** 0.5).to(torch.bfloat16)
+    b = (0.1 * torch.randn(c, generator=g, device=ctx.device)).to(torch.bfloat16).float()
+    from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod  # noqa: PLC0415
+
+    w_sub = weights_mod.subpixel_weights(w3.float()).to(torch.bfloat16)
+    out = torch.empty(frames, 2 * rows, 2 * cols, c, device=ctx.device, dtype=torch.bfloat16)
+    table.upsample2x_conv3x3(x, w_sub, b, out)
+    ctx.sync()
+    picked = [0, frames - 2, frames - 1]
+    with exact_fp32():
+        ref = selfcheck.reference_upsample2x_conv3x3(x[picked].float(), w3.float(), b)
+    figures = compare_to_reference("upsample2x_conv3x3 > 2^31", out[picked], ref, ref.to(torch.bfloat16)).figures()
+    fell = fallback_delta(table, before)
+    big = out.numel() > 2**31 or ctx.dry_run
+    return {"channels": c, "frames": frames, "out": list(out.shape), "out_elements": out.numel(),
+            "over_2e31": out.numel() > 2**31, "allowance": figures, "fallbacks": fell,
+            "ok": figures["ok"] and not fell and big}
+
+
+def two_weight_sets(ctx: Context) -> dict:
+    """Two models (different seeded weights) decoded one after the other by the process's one compiled table, the
+    first model's weights freed before the second's are made (the allocator then reuses their addresses, where a
+    cache keyed by address would hand the second model the first one's tensors), then the first again: each video
+    against its own release bf16 decode, at T = 2."""
+    table = loader.load_ops(ctx.device, arch=ctx.arch)
+    before = dict(table.fallbacks)
+    t = 2
+    z = ctx.latents(t)
+    out = {}
+    for label, seed in (("first", 0), ("second", 1), ("first again", 0)):
+        state = selfcheck.random_weights(ctx.config, seed=seed, device=ctx.device)
+        decoder = WanVAEDecoder(state, ctx.device, local=True, backend=table, frames_per_pass=2)
+        video = decoder.decode(z)
+        with exact_fp32():
+            ref32 = reference.decode(z, state, torch.float32)
+        release = reference.decode(z, {k: v.to(torch.bfloat16) for k, v in state.items()}, torch.bfloat16)
+        out[label] = audit(f"{label} weight set (seed {seed})", video, ref32, release)
+        del state, decoder, video, ref32, release
+        gc.collect()
+    fell = fallback_delta(table, before)
+    return {"t": t, "videos": out, "fallbacks": fell, "ok": all(v["ok"] for v in out.values()) and not fell}
+
+
+# --------------------------------------------------------------------------------------------------- the pipeline
+
+
+def pipeline(ctx: Context, timeout: float) -> dict:
+    """The PAN2 pipeline in FastVideo, end to end on the tiny checkpoint, the fast decoder on (backend "auto": the
+    compiled kernels on a GPU) and the mp4 written while decoding: `python -m fastvideo_pan2_ext.demo`, in a process
+    of its own (FastVideo starts its worker from there). Skipped, with the reason, where FastVideo does not import."""
+    probe = subprocess.run([sys.executable, "-c", "import fastvideo, fastvideo_pan2_ext; print(fastvideo.__file__)"],
+                           capture_output=True, text=True, timeout=min(timeout, 300), cwd=ctx.scratch)
+    if probe.returncode != 0:
+        return {"skipped": "FastVideo or the PAN2 plugin does not import here (part 2 installs the bundle's wheels; "
+                           f"see docs/gpu-check.md): {probe.stderr.strip().splitlines()[-1:]}"}
+    height, width, frames, steps = ctx.sizes["pipeline"]
+    out = ctx.scratch / "pipeline"
+    argv = [sys.executable, "-m", "fastvideo_pan2_ext.demo", "--out", str(out), "--height", str(height), "--width",
+            str(width), "--frames", str(frames), "--steps", str(steps), "--decoder", "kernel",
+            "--cache-dir", str(ctx.scratch / "tiny-checkpoint")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package, as a user has it
+    start = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=max(1.0, timeout - (time.monotonic() - start)),
+                          cwd=ctx.scratch, env=env)
+    log = done.stdout + done.stderr
+    result = {"argv": argv[1:], "seconds": round(time.monotonic() - start, 1), "exit_code": done.returncode,
+              "fastvideo": probe.stdout.strip().splitlines()[-1],
+              "decoder_lines": [line.strip()[-300:] for line in log.splitlines()
+                                if "fast VAE decoder" in line or "PAN2 decode" in line or "decoder:" in line][:8]}
+    video = out / "pan2_demo.mp4"
+    if done.returncode != 0 or not video.is_file():
+        return result | {"ok": False, "log_tail": log[-4000:]}
+    from fastvideo_pan2_ext.video_io import mp4_size  # noqa: PLC0415
+
+    stored_h, stored_w, stored_frames = mp4_size(video)
+    backend = re.search(r"fast VAE decoder: backend (\w+)", log)
+    result.update(video_frames=stored_frames, video_hw=[stored_h, stored_w],
+                  backend=backend.group(1) if backend else None,
+                  streamed="while decoding" in log)
+    want_backend = "torch" if ctx.dry_run else "compiled"
+    result["ok"] = (result["video_frames"] == frames and result["video_hw"] == [height, width]
+                    and result["streamed"] and result["backend"] == want_backend)
+    return result
+
+
 # --------------------------------------------------------------------------------------------------- children
 
 
 CHILD_STEPS = {
+    "build": lambda ctx, a: build_step(ctx, Path(a["root"]), a["timeout"]),
     "self_check": lambda ctx, _: compiled_self_check(ctx),
     "winograd_self_check": lambda ctx, _: compiled_self_check(ctx, winograd=True),
-    "correctness": lambda ctx, _: correctness(ctx, ["compiled"]),
-    "timing": lambda ctx, a: timing(ctx, a.get("names", ["compiled"]), a["t"]),
-    "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
-    "memory": lambda ctx, _: memory(ctx, ["compiled"]),
-    "profile": lambda ctx, _: profile(ctx, ["compiled"]),
+    "oracle": lambda ctx, a: make_oracle(ctx, a["t"], a.get("frames")),
+    "correctness": lambda ctx, a: correctness(ctx, a["names"]),
+    "timing": lambda ctx, a: timing(ctx, a["names"], a["t"]),
+    "coverage": lambda ctx, _: coverage(ctx),
+    "memory": lambda ctx, a: memory(ctx, a["names"]),
+    "profile": lambda ctx, a: profile(ctx, a["names"]),
     "conv_bench": lambda ctx, _: conv_bench(ctx),
+    "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
+    PIPELINE: lambda ctx, a: pipeline(ctx, a["timeout"]),
 }
 
 
-def run_child(args, step: str, clock: Clock, **payload) -> dict:
-    """One compiled measurement in a fresh process (a fault there cannot touch this one); its result or its error."""
-    timeout = clock.left()
-    if timeout < 10:
-        return {"skipped": "deadline"}
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", step, "--child-args", json.dumps(payload),
-            "--scratch", str(args.scratch), "--frames-per-pass", str(args.frames_per_pass)]
+def run_child(args, kind: str, limit: float, payload: dict) -> dict:
+    """One step in a fresh process of its own group (a fault there cannot touch this one), killed with everything it
+    started at `limit` seconds; its result, or its error."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-args",
+            json.dumps(payload | {"timeout": limit}), "--scratch", str(args.scratch),
+            "--frames-per-pass", str(args.frames_per_pass)]
     argv += ["--dry-run", "--stand-in", args.stand_in] if args.dry_run else []
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout:.0f} s (deadline)", "stderr": (exc.stderr or "")[-3000:]
-                if isinstance(exc.stderr, str) else ""}
-    lines = [line for line in done.stdout.splitlines() if line.startswith(TAG)]
-    if done.returncode != 0 or not lines:
-        return {"error": f"child exited with {done.returncode}", "stderr": done.stderr[-4000:]}
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return {"error": f"timed out: killed at its hard limit of {limit:.0f} s", "timed_out": True,
+                "stderr": stderr[-3000:]}
+    lines = [line for line in stdout.splitlines() if line.startswith(TAG)]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"child exited with {proc.returncode}", "stderr": stderr[-4000:]}
     return json.loads(lines[-1][len(TAG):])
 
 
@@ -509,7 +718,10 @@ def child_main(args) -> int:
     payload = json.loads(args.child_args)  # layout / video_hw: the Wan2.1 steps' model and size
     ctx = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass, payload.get("layout", "wan22"),
                   payload.get("video_hw"))
-    result = CHILD_STEPS[args.child](ctx, payload)
+    try:
+        result = CHILD_STEPS[args.child](ctx, payload)
+    except Exception as exc:  # the step's error, with its message, in the report
+        result = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
     print(TAG + json.dumps(result, default=str), flush=True)
     return 0
 
@@ -517,10 +729,12 @@ def child_main(args) -> int:
 # --------------------------------------------------------------------------------------------------- build
 
 
-def build_step(ctx: Context, root: Path, clock: Clock) -> dict:
-    """Cold build then warm load, each in a fresh process (as a user's first and second run), with time limits."""
+def build_step(ctx: Context, root: Path, timeout: float) -> dict:
+    """Cold build (or the cached one: part 2 on the machine that ran part 1) then warm load, each in a fresh process
+    (as a user's first and second run), within `timeout` together."""
+    end = time.monotonic() + timeout - 5
     script = ("import json, sys, time; t = time.monotonic(); "
-              f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+              f"sys.path.insert(0, {str(REPO)!r}); "
               "from fastvideo_pan2_ext.vae_kernel import extension; "
               "ext = extension.build_extension(sys.argv[1], root=sys.argv[2]); "
               "print(json.dumps({'seconds': time.monotonic() - t, 'file': ext.__file__, 'arch': ext.arch()}))")
@@ -530,15 +744,10 @@ def build_step(ctx: Context, root: Path, clock: Clock) -> dict:
     entry = build.published_entry(spec, root)
     result["cached_before_cold"] = (entry / build.MANIFEST).exists()
     for phase in ("cold", "warm"):
-        try:
-            done = subprocess.run([sys.executable, "-c", script, arch, str(root)], capture_output=True, text=True,
-                                  timeout=max(clock.left(), 1))
-        except subprocess.TimeoutExpired:
-            result["error"] = f"{phase} build did not finish before the deadline"
-            return result
+        done = subprocess.run([sys.executable, "-c", script, arch, str(root)], capture_output=True, text=True,
+                              timeout=max(end - time.monotonic(), 1))
         if done.returncode != 0:
-            result["error"] = f"{phase} build failed:\n{done.stderr[-4000:]}"
-            return result
+            return result | {"error": f"{phase} build failed:\n{done.stderr[-4000:]}"}
         info = json.loads(done.stdout.strip().splitlines()[-1])
         result[f"{phase}_seconds"] = round(info["seconds"], 2)
         result["file"] = info["file"]
@@ -561,6 +770,77 @@ def ptxas_resources(log: str) -> list[dict]:
             if s := re.search(r"(\d+) bytes smem", line):
                 current["smem_bytes"] = int(s.group(1))
     return kernels
+
+
+# --------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of a part: the child that runs it and its payload; `needs`: the seconds it is expected to take
+    (GPU, dry run), skipped when less is left; `cap`: its own hard limit on a GPU (a dry run's steps are bounded by
+    the deadline alone: a shared CPU's speed varies too much for caps); `tables`: the self-checks whose op tables it
+    decodes with (skipped once one of them failed)."""
+
+    name: str
+    kind: str
+    payload: dict
+    needs: tuple[float, float]
+    cap: float
+    tables: tuple[str, ...] = ()
+
+
+DIRECT, WINOGRAD = ("compiled_self_check",), ("compiled_self_check", "compiled_winograd_self_check")
+
+
+def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
+    """The steps of `part`, most valuable first."""
+    big, *rest = sizes["timing_t"]
+    steps = [Step("build", "build", {}, (60, 20), 240),
+             Step("compiled_self_check", "self_check", {}, (40, 20), 200, ("build",)),
+             Step("compiled_winograd_self_check", "winograd_self_check", {}, (40, 60), 200, ("build",))]
+    if part == 1:
+        return steps[:2] + [
+            Step(f"oracle:T={big}", "oracle", {"t": big, "frames": sizes["oracle_frames"]}, (10, 5), 90),
+            Step(f"compiled_timing:T={big}", "timing", {"t": big, "names": ["compiled"]}, (20, 10), 120,
+                 DIRECT),
+            steps[2],
+            Step(f"compiled_winograd_timing:T={big}", "timing", {"t": big, "names": ["compiled_winograd"]}, (20, 10),
+                 (120, 300), WINOGRAD),
+            Step(f"timing:T={big}", "timing", {"t": big, "names": ["portable"]}, (30, 10), 150)]
+    baselines = ["release_bf16"] + ["diffusers_bf16"] * with_diffusers
+    out = steps + [Step(f"oracle:T={t}", "oracle", {"t": t}, (10, 5), 120) for t in sizes["correctness_t"]]
+    out += [Step("correctness", "correctness", {"names": ["release_bf16", "portable"]}, (10, 10), 120),
+            Step("compiled_correctness", "correctness", {"names": ["compiled"]}, (10, 10), 120, DIRECT),
+            Step("coverage", "coverage", {}, (30, 15), 150, WINOGRAD),
+            Step(f"timing:T={big}", "timing", {"t": big, "names": baselines}, (60, 15), 200),
+            Step("compiled_memory", "memory", {"names": ["compiled"]}, (20, 10), 120, DIRECT),
+            Step("memory", "memory", {"names": ["portable"]}, (20, 10), 120),
+            Step("compiled_profile", "profile", {"names": ["compiled"]}, (10, 10), 90, DIRECT),
+            Step("profile", "profile", {"names": ["portable"]}, (10, 10), 90),
+            Step("conv_bench", "conv_bench", {}, (10, 10), 90, DIRECT),
+            Step("winograd_conv_bench", "winograd_conv_bench", {}, (15, 10), 90, WINOGRAD)]
+    for t in rest:
+        out += [Step(f"compiled_timing:T={t}", "timing", {"t": t, "names": ["compiled"]}, (15, 10), 90,
+                     DIRECT),
+                Step(f"timing:T={t}", "timing", {"t": t, "names": ["portable", *baselines]}, (60, 15), 150)]
+    for h, w in sizes["wan21_hw"]:
+        wan21 = {"t": sizes["wan21_t"], "layout": "wan21", "video_hw": [h, w]}
+        out += [Step(f"compiled_wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["compiled"]}, (15, 10),
+                     (90, 300), DIRECT),
+                Step(f"wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["release_bf16"]}, (40, 15), 120)]
+    return out + [Step(PIPELINE, PIPELINE, {}, (60, 60), 150)]
+
+
+def blocked_by(step: Step, data: dict) -> str | None:
+    """Why `step` cannot run: a step whose table it needs failed (or was skipped)."""
+    for name in step.tables:
+        result = data.get(name)
+        if result is None or "skipped" in result:
+            return f"needs {name}, which did not run"
+        if "error" in result or result.get("ok") is False:
+            return f"{name} failed: {str(result.get('error') or result.get('verification') or 'see its cases')[:300]}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------- the run
@@ -595,96 +875,109 @@ def environment(ctx: Context) -> dict:
 
 def run(args) -> int:
     ctx = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass)
-    clock = Clock(args.deadline)
+    deadline = args.deadline or DEFAULT_DEADLINES[args.part] * (3 if args.dry_run else 1)
+    clock = Clock(deadline)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = Report(args.out / f"gpu_check{'_dry_run' if args.dry_run else ''}.json", {
-        "mode": "dry-run" if args.dry_run else "gpu", "deadline_seconds": args.deadline,
+    with_diffusers = diffusers_available()
+    report = Report(args.out / f"gpu_check{'_dry_run' if args.dry_run else ''}_part{args.part}.json", {
+        "mode": "dry-run" if args.dry_run else "gpu", "part": args.part, "deadline_seconds": deadline,
         "environment": environment(ctx), "config": ctx.config.__dict__, "sizes": ctx.sizes, "skipped": []})
-    skip = {s for s in args.skip.split(",") if s}
-    parent_names = ["release_bf16", "portable"] + (["diffusers_bf16"] if diffusers_available() else [])
-    if "diffusers_bf16" not in parent_names:
+    if not with_diffusers and args.part == 2:
         report.data["skipped"].append("diffusers_bf16: diffusers is not importable (carry the bundle's wheels)")
+    skip = {s for s in args.skip.split(",") if s}
+    root = args.build_root or REPO / "build" / "gpu_check_cache"
+    if args.build_root is None and args.part == 1:
+        shutil.rmtree(root, ignore_errors=True)  # part 1's build is cold; part 2 reuses it on the same machine
+    os.environ[build.BUILD_DIR_ENV] = str(root)  # every child loads this build and its remembered verdicts
+    steps = part_steps(args.part, ctx.sizes, with_diffusers)
+    # The pipeline runs last but its time is kept for it from the start: no step before it may eat into it.
+    last = steps[-1] if steps[-1].kind == PIPELINE and PIPELINE not in skip else None
+    kept = last.needs[args.dry_run] if last else 0.0
 
-    def step(name: str, reserve: float, fn, *fn_args, **fn_kwargs):
-        """Run one measurement unless skipped or out of time; record its result or its error."""
-        if name.split(":")[0] in skip:
-            return None
-        if clock.left() < reserve:
-            report.data["skipped"].append(f"{name}: deadline ({clock.left():.0f} s left, needs ~{reserve:.0f})")
-            report.save()
-            return None
-        print(f"gpu_check: {name} ({clock.left():.0f} s left)", flush=True)
-        try:
-            value = fn(*fn_args, **fn_kwargs)
-        except Exception as exc:  # recorded; the run goes on
-            value = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
-        report.put(name, value)
-        return value
+    def skipped(step: Step, why: str) -> None:
+        report.data["skipped"].append(f"{step.name}: {why}")
+        report.put(step.name, {"skipped": why})
 
-    if "build" not in skip:
-        root = args.build_root or Path(tempfile.mkdtemp(prefix="wan22-build-"))
-        os.environ[build.BUILD_DIR_ENV] = str(root)  # the compiled decoders below load this build
-        step("build", 30, build_step, ctx, root, clock)
-    elif args.build_root:
-        os.environ[build.BUILD_DIR_ENV] = str(args.build_root)
-    step("compiled_self_check", 20, run_child, args, "self_check", clock)
-
-    # Most valuable first. Each size: the fp32 oracle and the decoders of this process, then the compiled child.
-    for t in ctx.sizes["correctness_t"]:
-        step(f"oracle:T={t}", 20, make_oracle, ctx, t)
-    step("correctness", 20, correctness, ctx, ["release_bf16", "portable"])
-    step("compiled_correctness", 20, run_child, args, "correctness", clock)
-    big, *rest = ctx.sizes["timing_t"]
-    step(f"oracle:T={big}", 60, make_oracle, ctx, big)
-    step(f"timing:T={big}", 60, timing, ctx, parent_names, big)
-    step(f"compiled_timing:T={big}", 30, run_child, args, "timing", clock, t=big)
-    # Winograd F(2x2, 3x3): its self-check, each dominant layer direct vs Winograd, the whole decode at the largest T.
-    step("compiled_winograd_self_check", 20, run_child, args, "winograd_self_check", clock)
-    step("winograd_conv_bench", 20, run_child, args, "winograd_conv_bench", clock)
-    step(f"compiled_winograd_timing:T={big}", 30, run_child, args, "timing", clock, t=big,
-         names=["compiled_winograd"])
-    step("memory", 20, memory, ctx, ["portable"])
-    step("compiled_memory", 20, run_child, args, "memory", clock)
-    step("profile", 20, profile, ctx, ["portable"])
-    step("compiled_profile", 20, run_child, args, "profile", clock)
-    step("conv_bench", 20, run_child, args, "conv_bench", clock)
-    for t in rest:
-        step(f"timing:T={t}", 40, timing, ctx, parent_names, t)
-        step(f"compiled_timing:T={t}", 30, run_child, args, "timing", clock, t=t)
-    # Lowest priority: the Wan2.1 VAE, release bf16 here and compiled in a child, per video size.
-    for h, w in ctx.sizes["wan21_hw"]:
-        wan21 = Context(args.dry_run, args.stand_in, args.scratch, args.frames_per_pass, "wan21", (h, w))
-        step(f"wan21_timing:{h}x{w}", 90, timing, wan21, ["release_bf16"], ctx.sizes["wan21_t"])
-        step(f"compiled_wan21_timing:{h}x{w}", 30, run_child, args, "timing", clock, t=ctx.sizes["wan21_t"],
-             layout="wan21", video_hw=[h, w])
+    for step in steps:
+        if step.name.split(":")[0] in skip or step.kind in skip:
+            skipped(step, "--skip")
+            continue
+        if step.name != "build" and "build" in step.tables and "build" in skip:
+            step = dataclasses.replace(step, tables=())  # --skip build: the cache given is the build
+        reserve = 0.0 if step is last else kept
+        if (why := blocked_by(step, report.data)) is not None:
+            skipped(step, why)
+            continue
+        left = clock.left() - reserve
+        needs = step.needs[args.dry_run]
+        if left < needs:
+            skipped(step, f"deadline ({clock.left():.0f} s left, needs ~{needs:.0f}"
+                          f"{f' + {reserve:.0f} kept for the pipeline' if reserve else ''})")
+            continue
+        limit = left if args.dry_run else min(step.cap, left)
+        print(f"gpu_check: {step.name} ({clock.left():.0f} s left, limit {limit:.0f} s)", flush=True)
+        t0 = time.monotonic()
+        value = run_child(args, step.kind, limit, step.payload | ({"root": str(root)} if step.kind == "build" else {}))
+        value["step_seconds"] = round(time.monotonic() - t0, 1)
+        if value.get("timed_out") and (args.dry_run or limit < step.cap):  # the deadline, not its cap, stopped it
+            report.data["skipped"].append(f"{step.name}: killed at the deadline after {limit:.0f} s")
+        report.put(step.name, value)
 
     report.data["total_seconds"] = round(time.monotonic() - started, 1)
     report.data["summary"] = summary(report.data, ctx)
     report.save()
     ok = report.data["summary"]["compiled_ok"]
-    print(f"gpu_check: wrote {report.path} ({report.data['total_seconds']} s); compiled decoder correct at every "
-          f"size: {ok}; skipped: {report.data['skipped'] or 'nothing'}", flush=True)
+    print(f"gpu_check: wrote {report.path} ({report.data['total_seconds']} s); compiled decoder correct everywhere "
+          f"it ran, no fallbacks: {ok}; skipped: {report.data['skipped'] or 'nothing'}", flush=True)
     return 0 if ok else 1
 
 
+def compiled_results(data: dict):
+    """(step name, decoder or part, entry) of every compiled decode the report holds: the timed, audited, measured
+    and profiled ones, the benches and the coverage checks."""
+    for step, value in data.items():
+        if not isinstance(value, dict) or "error" in value or "skipped" in value:
+            continue
+        if step in ("conv_bench", "winograd_conv_bench"):
+            yield step, step, value
+        elif step == "coverage":
+            yield from ((step, k, v) for k, v in value.items() if isinstance(v, dict))
+        elif step.startswith("compiled_") and not step.endswith("self_check"):
+            for key, entry in value.items():
+                if isinstance(entry, dict) and "compiled" in entry:  # correctness / memory: T or fpp -> decoder
+                    yield from ((step, f"{key} {k}", v) for k, v in entry.items() if k.startswith("compiled"))
+                elif key.startswith("compiled") and isinstance(entry, dict):
+                    yield step, key, entry
+
+
 def summary(data: dict, ctx: Context) -> dict:
-    """The headline: did the compiled decoder build, pass its self-check and the allowance at every size; speeds
-    (`timing_summary`), Winograd's verdicts and speed (`winograd_summary`), the Wan2.1 VAE's speeds per size."""
-    build_ok = "build" in data and "error" not in data["build"]
-    self_check_ok = data.get("compiled_self_check", {}).get("ok", False)
-    audits = [v for v in data.get("compiled_correctness", {}).values() if isinstance(v, dict) and "compiled" in v]
-    sizes_ok = len(audits) == len(ctx.sizes["correctness_t"]) and all(a["compiled"]["ok"] for a in audits)
-    big = f"compiled_timing:T={max(ctx.sizes['timing_t'])}"
-    big_ok = data.get(big, {}).get("compiled", {}).get("allowance", {}).get("ok", False)
-    out = {"build_ok": build_ok, "self_check_ok": self_check_ok, "correct_at_every_size": sizes_ok and big_ok,
-           "compiled_ok": build_ok and self_check_ok and sizes_ok and big_ok}
+    """The headline: did every compiled step that ran pass (built, self-checked, within the allowance where audited,
+    not one call fallen back); the steps that failed; speeds (`timing_summary`), Winograd's (`winograd_summary`)."""
+    ran = [k for k, v in data.items() if isinstance(v, dict) and "step_seconds" in v]
+    failed = [k for k in ran if "error" in data[k] or data[k].get("ok") is False]
+    fallbacks = {f"{step} {name}": entry["fallbacks"] for step, name, entry in compiled_results(data)
+                 if entry.get("fallbacks")}
+    missing = [step for step, name, entry in compiled_results(data) if "fallbacks" not in entry]
+    audits = [(f"{step} {name}", entry.get("allowance", entry).get("ok"))
+              for step, name, entry in compiled_results(data)
+              if "allowance" in entry or step in ("compiled_correctness",)]
+    given = data.get("build") == {"skipped": "--skip"}  # --skip build: the --build-root given is the build
+    out = {"build_ok": given or ("build" in data and "error" not in data["build"] and "skipped" not in data["build"]),
+           "self_check_ok": data.get("compiled_self_check", {}).get("ok", False),
+           "winograd_self_check_ok": data.get("compiled_winograd_self_check", {}).get("ok", False),
+           "audits_ok": all(ok for _, ok in audits), "audited": len(audits),
+           "fallbacks": fallbacks, "fallbacks_not_recorded": missing, "failed_steps": failed}
+    out["compiled_ok"] = (out["build_ok"] and out["self_check_ok"] and out["audits_ok"] and not fallbacks
+                          and not missing and not failed)
     for t in ctx.sizes["timing_t"]:
         out.update(timing_summary(data.get(f"timing:T={t}", {}), data.get(f"compiled_timing:T={t}", {}), f"T={t}"))
     out.update(winograd_summary(data, max(ctx.sizes["timing_t"])))
     for h, w in ctx.sizes["wan21_hw"]:
         out.update(timing_summary(data.get(f"wan21_timing:{h}x{w}", {}),
                                   data.get(f"compiled_wan21_timing:{h}x{w}", {}), f"wan21 {h}x{w}"))
+    if PIPELINE in data:
+        out["pipeline_ok"] = data[PIPELINE].get("ok", False)
     return out
 
 
@@ -740,22 +1033,27 @@ def single_threaded_cpu() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", type=int, choices=(1, 2), default=1,
+                        help="1: build, self-checks and the T = 49 timings (first); 2: everything else")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the emulated extension as compiled")
     parser.add_argument("--stand-in", default="emulated", choices=sorted(STAND_INS),
                         help="dry run: which emulated extension stands in for the compiled one")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="where the JSON goes")
     parser.add_argument("--build-root", type=Path, default=None,
-                        help="build cache for the cold/warm build (default: a fresh temporary one, so cold is cold)")
-    parser.add_argument("--deadline", type=float, default=480.0,
-                        help="seconds for the whole check; steps that no longer fit are skipped (default 480: one "
-                             "600 s device command with 120 s to spare)")
+                        help="build cache (default: build/gpu_check_cache in this tree, emptied by part 1 so that "
+                             "its build is cold, reused by part 2)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds for the whole part; no step runs past it (default: part 1 300, part 2 420; "
+                             "three times that in a dry run)")
     parser.add_argument("--frames-per-pass", type=argparse_type("frames_per_pass"), default="auto",
                         help="the timed decodes' setting (default: auto, the product's default)")
-    parser.add_argument("--skip", default="", help="comma-separated steps to skip (build, timing, memory, ...)")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip (timing, memory, pipeline, ...)")
     parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=sorted(CHILD_STEPS), help=argparse.SUPPRESS)
     parser.add_argument("--child-args", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error(f"--deadline must be positive; got {args.deadline}")
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU (use --dry-run on CPU)", file=sys.stderr)
         return 2

@@ -192,14 +192,16 @@ def _case(sig: Signature, device: torch.device, g: torch.Generator) -> Case:
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
-    """One case's allowance report, and the calls of it the table handed to the portable op (op: reason -> count)."""
+    """One case's allowance report, and the calls of it the table handed to the portable op (op: reason -> count).
+    A case that fell back failed, whatever its numbers: it checked the portable op, not the kernels, and a decoder
+    running on portable ops must not pass as compiled."""
 
     report: AllowanceReport
     fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.report.ok
+        return self.report.ok and not self.fallbacks
 
     def to_json(self) -> dict:
         return {"report": dataclasses.asdict(self.report), "fallbacks": self.fallbacks}
@@ -209,7 +211,7 @@ class CaseResult:
         return cls(AllowanceReport(**data["report"]), dict(data["fallbacks"]))
 
     def __str__(self) -> str:
-        fell = f"; fell back to the portable op: {self.fallbacks}" if self.fallbacks else ""
+        fell = f"; FAILED: fell back to the portable op: {self.fallbacks}" if self.fallbacks else ""
         return f"{self.report}{fell}"
 
 
@@ -250,7 +252,7 @@ def self_check(table: Ops, device: torch.device, configs=None, keep_going: bool 
             reference = ref()
             report = compare_to_reference(name, candidate, reference, reference.to(torch.bfloat16))
             results.append(CaseResult(report, fallbacks))
-            if not report.ok and not keep_going:
+            if not results[-1].ok and not keep_going:
                 break
         if all(r.ok for r in results):  # a failed op already decides; the decode would only cost time
             results.append(decode_check(table, device))
