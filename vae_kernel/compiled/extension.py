@@ -4,6 +4,7 @@ content-keyed cache). Nothing here runs a kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -22,9 +23,24 @@ HEADERS = ("decode_kernels.h", "winograd_tiles.cuh")
 EXTENSION_PREFIX = "wan22_vae_decode_"  # + arch: builds for two GPU kinds can live in one process
 CUTLASS_DIR_ENV = "WAN22_CUTLASS_DIR"  # a CUTLASS source tree (include/, tools/util/include/) instead of the wheel's
 
-# Compute capability -> the one architecture we build for it (arch-specific "a" targets: TMA/WGMMA, UMMA).
-ARCH_FOR_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
-CUTLASS_FAMILY = {"sm_90a": "WAN22_SM90", "sm_100a": "WAN22_SM100", "sm_103a": "WAN22_SM100"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A GPU architecture the kernels are built for: its compute capability and the kernels' CUTLASS collective
+    family (the macro csrc/ selects its collectives by). The build passes the capability to the C++ as WAN22_ARCH
+    (major x 10 + minor), from which the module names itself: this table is the only list of architectures."""
+
+    capability: tuple[int, int]
+    family: str  # "WAN22_SM90": TMA/WGMMA; "WAN22_SM100": UMMA (tcgen05)
+
+    @property
+    def name(self) -> str:  # nvcc's arch-specific target
+        return f"sm_{self.capability[0]}{self.capability[1]}a"
+
+
+ARCHS = {arch.name: arch for arch in (Arch((9, 0), "WAN22_SM90"), Arch((10, 0), "WAN22_SM100"),
+                                      Arch((10, 3), "WAN22_SM100"))}
 
 
 class CompiledUnavailable(RuntimeError):
@@ -62,8 +78,9 @@ def extension_name(arch: str) -> str:
 
 def extension_spec(arch: str) -> build.ExtensionSpec:
     """The decoder extension for one architecture (torch applies one arch list to every file: build one arch)."""
-    if arch not in CUTLASS_FAMILY:
-        raise ValueError(f"arch must be one of {sorted(CUTLASS_FAMILY)}; got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}")
+    major, minor = ARCHS[arch].capability
     cutlass = cutlass_source_dir()
     includes = (str(cutlass / "include"), str(cutlass / "tools" / "util" / "include"), str(CSRC))
     # Hidden visibility: the template instantiations of two builds loaded into one process (one per GPU kind) would
@@ -72,7 +89,7 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
     cuda_flags = (
         "-O3", "-Xcompiler=-fvisibility=hidden",
         "-DNDEBUG",  # without it ptxas serializes wgmma (warning C7510)
-        f"-D{CUTLASS_FAMILY[arch]}", f"-DWAN22_ARCH={arch[3:].rstrip('a')}",
+        f"-D{ARCHS[arch].family}", f"-DWAN22_ARCH={major * 10 + minor}",
         "--expt-relaxed-constexpr", "--expt-extended-lambda",
         # torch's defaults hide the half/bf16 operators CUTLASS relies on
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -92,12 +109,12 @@ def extension_spec(arch: str) -> build.ExtensionSpec:
 
 
 def arch_for_device(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = ARCH_FOR_CAPABILITY.get((major, minor))
-    if arch is None:
-        raise CompiledUnavailable(f"no compiled kernels for compute capability {major}.{minor} "
-                                  f"(built for {sorted(ARCH_FOR_CAPABILITY)})")
-    return arch
+    capability = tuple(torch.cuda.get_device_capability(device))
+    for arch in ARCHS.values():
+        if arch.capability == capability:
+            return arch.name
+    raise CompiledUnavailable(f"no compiled kernels for compute capability {capability[0]}.{capability[1]} "
+                              f"(built for {sorted(a.capability for a in ARCHS.values())})")
 
 
 def open_extension(arch: str, root: str | os.PathLike | None = None, timeout_s: float | None = None):

@@ -156,18 +156,14 @@ const char* conv3d_bf16(const Conv3dArgs& a, void* workspace, cudaStream_t strea
   return nullptr;
 }
 
+#define WAN22_STRINGIFY_(x) #x
+#define WAN22_STRINGIFY(x) WAN22_STRINGIFY_(x)
+
 const char* compiled_arch() {
-  // WAN22_ARCH is the target's compute capability x 10 (set by the build; a number, as string macros do not survive
-  // the build tool's quoting).
-#if WAN22_ARCH == 90
-  return "sm_90a";
-#elif WAN22_ARCH == 100
-  return "sm_100a";
-#elif WAN22_ARCH == 103
-  return "sm_103a";
-#else
-#error "WAN22_ARCH must be 90, 100 or 103"
-#endif
+  // WAN22_ARCH: the target's compute capability, major x 10 + minor, set by the build from its one table of
+  // architectures (vae_kernel/compiled/extension.py, ARCHS); a number, as string macros do not survive the build
+  // tool's quoting.
+  return "sm_" WAN22_STRINGIFY(WAN22_ARCH) "a";
 }
 
 }  // namespace wan22
