@@ -28,7 +28,8 @@ def test_demo_ships_its_sample_image():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--frames", "10"], "--frames must be 4T-3 for a whole number T >= 1 (1, 5, 9, ...); got 10"),
+    (["--frames", "10"], "--frames: num_frames must be 4k + 1 (1, 5, 9, ..., 121, ...: one frame from the first "
+                         "latent frame, four from each later one); got 10: ask for 9 or 13"),
     (["--steps", "0"], "--steps must be >= 1; got 0"),
     (["--frames-per-pass", "0"], "argument --frames-per-pass: frames_per_pass must be 'auto' or an int >= 1; got 0"),
     (["--height", "100"], "height must be a positive multiple of 32; got 100"),

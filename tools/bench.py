@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
 
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, diffusers_arguments  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
@@ -106,11 +106,8 @@ def diffusers_vae(workload: Workload, sd: dict[str, torch.Tensor]):
     except Exception:  # noqa: BLE001 - absent or broken: the reference decode is the bit-identical stand-in
         return None
     c = workload.config
-    vae = AutoencoderKLWan(base_dim=workload.encoder_base_dim, decoder_base_dim=c.decoder_base_dim, z_dim=c.z_dim,
-                           dim_mult=list(c.dim_mult), num_res_blocks=c.num_res_blocks,
-                           temperal_downsample=list(reversed(c.temperal_upsample)), is_residual=c.residual,
-                           patch_size=c.patch_size if c.patch_size > 1 else None, in_channels=c.out_channels,
-                           out_channels=c.out_channels, latents_mean=[0.0] * c.z_dim, latents_std=[1.0] * c.z_dim)
+    vae = AutoencoderKLWan(**diffusers_arguments(c, workload.encoder_base_dim), latents_mean=[0.0] * c.z_dim,
+                           latents_std=[1.0] * c.z_dim)
     missing, unexpected = vae.load_state_dict(sd, strict=False)
     if unexpected or any(k.startswith(("decoder.", "post_quant_conv.")) for k in missing):
         raise RuntimeError(f"diffusers module does not match the workload: missing {missing}, unexpected {unexpected}")

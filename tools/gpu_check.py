@@ -67,7 +67,8 @@ sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG,  # noqa: E402
+                                                                    WanVAEConfig, diffusers_arguments)
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
@@ -263,11 +264,7 @@ def diffusers_decoder(ctx: Context):
     from diffusers import AutoencoderKLWan  # noqa: PLC0415 - carried to the GPU machine in the bundle
 
     c = ctx.config
-    vae = AutoencoderKLWan(base_dim=c.decoder_base_dim,  # the encoder's width: it never runs here
-                           decoder_base_dim=c.decoder_base_dim, z_dim=c.z_dim, dim_mult=list(c.dim_mult),
-                           num_res_blocks=c.num_res_blocks, temperal_downsample=[False, True, True],
-                           is_residual=True, patch_size=c.patch_size, in_channels=c.out_channels,
-                           out_channels=c.out_channels)
+    vae = AutoencoderKLWan(**diffusers_arguments(c))  # the encoder never runs here
     missing = vae.load_state_dict({k: v.cpu() for k, v in ctx.weights().items()}, strict=False).missing_keys
     if any(k.startswith(("decoder.", "post_quant_conv.")) for k in missing):
         raise RuntimeError(f"diffusers' decoder did not take the weights: missing {missing[:3]}")

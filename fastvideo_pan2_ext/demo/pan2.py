@@ -103,8 +103,12 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out must be a folder; {str(args.out)!r} is a file")
-    if args.frames < 1 or (args.frames - 1) % 4:
-        parser.error(f"--frames must be 4T-3 for a whole number T >= 1 (1, 5, 9, ...); got {args.frames}")
+    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames
+
+    try:
+        latent_frames(args.frames)
+    except ValueError as exc:
+        parser.error(f"--frames: {exc}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
     try:

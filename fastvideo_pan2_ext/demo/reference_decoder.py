@@ -26,7 +26,7 @@ import torch
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, expected_shapes, latent_frames
-from fastvideo_pan2_ext.video_io import to_uint8_frames
+from fastvideo_pan2_ext.video_io import to_uint8_frames, write_video_stream
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels
 DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU
@@ -90,20 +90,6 @@ def moving_wave_latents(latent_frames: int, latent_height: int, latent_width: in
         speed = 2.0 * torch.randn((), generator=g).item()
         z[0, c] = 1.5 * torch.sin(2 * math.pi * (fx * x + fy * y) + phase + speed * t)
     return z
-
-
-def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
-    import imageio_ffmpeg
-
-    height, width = frames.shape[1:3]
-    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, codec="libx264",
-                                         pix_fmt_out="yuv420p", quality=8, macro_block_size=1)
-    writer.send(None)  # start ffmpeg
-    try:
-        for frame in frames:
-            writer.send(np.ascontiguousarray(frame))
-    finally:
-        writer.close()
 
 
 def write_contact_sheet(frames: np.ndarray, path: Path, fps: float, caption: str, columns: int | None = None,
@@ -196,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     decoded = time.perf_counter()
     frames = to_uint8_frames(video)
     mp4, sheet = args.out / "reference_decode.mp4", args.out / "reference_decode_frames.png"
-    write_mp4(frames, mp4, args.fps)
+    write_video_stream([video], mp4, args.fps)  # the project's one mp4 writer (atomic)
     write_contact_sheet(frames, sheet, args.fps,
                         f"reference decode of a moving wave, random weights (seed {args.seed})")
     written = time.perf_counter()

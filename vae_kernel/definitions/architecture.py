@@ -61,6 +61,16 @@ WAN21_CONFIG = WanVAEConfig(z_dim=16, decoder_base_dim=96, dim_mult=(1, 2, 4, 4)
                             temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
 
 
+def diffusers_arguments(c: WanVAEConfig, encoder_base_dim: int | None = None) -> dict:
+    """diffusers' `AutoencoderKLWan(**...)` arguments for a VAE whose decoder is `c` (its encoder `encoder_base_dim`
+    wide; default: as wide as the decoder)."""
+    return dict(base_dim=encoder_base_dim or c.decoder_base_dim, decoder_base_dim=c.decoder_base_dim, z_dim=c.z_dim,
+                dim_mult=list(c.dim_mult), num_res_blocks=c.num_res_blocks,
+                temperal_downsample=list(reversed(c.temperal_upsample)), is_residual=c.residual,
+                patch_size=c.patch_size if c.patch_size > 1 else None, in_channels=c.out_channels,
+                out_channels=c.out_channels)
+
+
 def upsampler_name(i: int, residual: bool) -> str:
     """Up block i's upsampler as diffusers names it: `upsampler` (Wan2.2) or `upsamplers.0` (Wan2.1)."""
     return f"decoder.up_blocks.{i}." + ("upsampler" if residual else "upsamplers.0")
