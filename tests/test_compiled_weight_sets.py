@@ -26,7 +26,7 @@ MODELS = 8
 
 
 def _decode(table, state_dict, z):
-    config, prepared = weights.load(state_dict, torch.device("cpu"))
+    config, prepared = weights.load(state_dict, torch.device("cpu"), table.cpu_compute_layout)
     runner = PassRunner(table, prepared, config, torch.device("cpu"), frames_per_pass=2)
     with torch.no_grad():
         return collect(runner.iter_bands(z, LocalRows(z.shape[3])), video_shape(config, z.shape), torch.device("cpu"))

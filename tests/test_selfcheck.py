@@ -125,7 +125,7 @@ def test_allowance_rule_is_three_times_the_bf16_baseline_in_max_and_rms():
 
 @pytest.mark.parametrize("ext", [EmulatedExtension(conv_error=0.05), EmulatedExtension(norm_error=0.02)],
                          ids=["conv-off-by-5%-noise", "norm-off-by-2%"])
-def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_process(ext, caplog, monkeypatch):
+def test_a_mismatching_build_is_refused_and_stays_disabled_for_the_process(ext, caplog, monkeypatch):
     monkeypatch.setattr(selfcheck, "SUPPORTED_CONFIGS", NARROW)
     calls = []
 
@@ -133,10 +133,10 @@ def test_auto_backend_disables_a_mismatching_build_with_a_warning_once_per_proce
         calls.append(device)
         return make_ops(ext)
 
-    with pytest.warns(RuntimeWarning, match="OUTSIDE THE ALLOWANCE"):
-        assert loader.load_ops_or_none(CPU, factory=factory) is None
-    with pytest.warns(RuntimeWarning, match="failed the runtime self-check"):
-        assert loader.load_ops_or_none(CPU, factory=factory) is None
+    with pytest.raises(CompiledUnavailable, match="OUTSIDE THE ALLOWANCE"):
+        loader.load_ops(CPU, factory=factory)
+    with pytest.raises(CompiledUnavailable, match="failed the runtime self-check"):
+        loader.load_ops(CPU, factory=factory)
     assert len(calls) == 1, "a failed build must stay disabled for the process, not be retried"
     assert any("disabled for this process" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
 
@@ -157,7 +157,7 @@ def test_a_passing_build_is_loaded_once_and_reused(monkeypatch):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        first = loader.load_ops_or_none(CPU, factory=factory)
+        first = loader.load_ops(CPU, factory=factory)
     assert first is not None and loader.load_ops(CPU, factory=factory) is first
     assert len(calls) == 1
 

@@ -121,8 +121,9 @@ class WanVAEDecoder:
         self.tile_rows = None
         self.max_memory = None
         self.device = _resolve_device(device)
-        self.config, self.weights = weights_mod.load(vae_or_state_dict, self.device)
+        weights = weights_mod.checked(vae_or_state_dict)  # a bad state dict is an error before any build
         self.ops = select_ops(opts.backend, self.device, opts.conv_algorithm)
+        self.config, self.weights = weights_mod.load(weights, self.device, self.ops.cpu_compute_layout)
         if pg is None and not local and dist.is_available() and dist.is_initialized():
             pg = dist.group.WORLD
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.

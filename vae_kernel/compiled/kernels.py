@@ -188,7 +188,8 @@ def make_ops(ext, name: str = "compiled", winograd_convs: bool = False,
     fallbacks: collections.Counter = collections.Counter()
     kernels = CompiledKernels(ext, fallbacks)
     table = dataclasses.replace(ops.TORCH_OPS, name=name, conv3d=kernels.conv3d, rms_norm_silu=kernels.rms_norm_silu,
-                                upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks)
+                                upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks,
+                                cpu_compute_layout=False)  # the kernels take bf16 channels-last weights
     if winograd_convs:
         table = winograd.winograd_ops(table, 2, keep_direct, conv=kernels.winograd_conv3d,
                                       transform=winograd_kernel_weights)

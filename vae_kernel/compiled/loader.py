@@ -5,7 +5,7 @@
 A failure (no GPU, no kernels for its architecture, no toolchain, a failed build or self-check) is remembered for the
 process and device: the same exception again, without rebuilding. A failed self-check of a built extension is also
 remembered across processes (`verification.remembered_verdict`): later processes refuse it without checking again. "auto" callers catch it and use the portable path
-(`backends.select_ops`, or `load_ops_or_none` with a warning); "cuda" callers let it propagate.
+(`backends.select_ops`); "cuda" callers let it propagate.
 """
 
 from __future__ import annotations
@@ -79,13 +79,3 @@ def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = No
             raise wrapped from exc
         _loaded[key] = table
         return table
-
-
-def load_ops_or_none(device: torch.device | str | int = "cuda", *, arch: str | None = None,
-                     factory: Callable[[torch.device], Ops] | None = None) -> Ops | None:
-    """For backend="auto": the compiled ops, or None with a warning saying why the portable path is used."""
-    try:
-        return load_ops(device, arch=arch, factory=factory)
-    except CompiledUnavailable as exc:
-        warnings.warn(f"using the portable decoder: {exc}", RuntimeWarning, stacklevel=2)
-        return None

@@ -225,7 +225,7 @@ def decode_check(table: Ops, device: torch.device) -> CaseResult:
     """A small whole decode with `table` through the real decode loops, judged against the fp32 reference decode
     (baseline: the release bf16 decode)."""
     state_dict = random_weights(DECODE_CHECK_CONFIG)
-    config, prepared = weights_mod.load(state_dict, device)
+    config, prepared = weights_mod.load(state_dict, device, table.cpu_compute_layout)
     z = torch.randn(DECODE_CHECK_LATENTS, generator=torch.Generator().manual_seed(7)).to(device)
     runner = PassRunner(table, prepared, config, device, frames_per_pass=2)
     video, fallbacks = _counted(table, lambda: collect(runner.iter_bands(z, LocalRows(z.shape[3])),

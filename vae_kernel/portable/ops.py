@@ -181,7 +181,9 @@ class Ops:
     `fallbacks` counts, per op and reason, the calls a compiled table handed to the portable op (empty here);
     `row_multiple`: bands and tiles must start on a multiple of this many rows at every level for the ops to give
     the same result as on the whole frame (Winograd pairs output rows into 2x2 tiles counted from the frame's top;
-    direct convs do not care)."""
+    direct convs do not care); `cpu_compute_layout`: on a CPU the table takes its weights in the layout the portable
+    convs compute in (`weights.to_compute_layout`: fp32, wide convs channels first); compiled tables take them as
+    prepared (bf16, channels last)."""
 
     name: str
     conv3d: Callable[..., None]
@@ -192,6 +194,8 @@ class Ops:
     unpatchify_clamp: Callable[..., None]
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
     row_multiple: int = 1
+    cpu_compute_layout: bool = False
 
 
-TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)
+TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp,
+                cpu_compute_layout=True)

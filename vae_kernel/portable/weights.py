@@ -92,12 +92,19 @@ def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch
     return config, tensors
 
 
-def load(vae_or_state_dict, device: torch.device) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    """Validate the weights and prepare them on `device` (on a CPU in its compute layout: `to_compute_layout`)."""
-    config, tensors = _checked(state_dict_of(vae_or_state_dict))
+def checked(vae_or_state_dict) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """The architecture and the decoder's weights, validated (ValueError naming the first problem)."""
+    return _checked(state_dict_of(vae_or_state_dict))
+
+
+def load(vae_or_state_dict, device: torch.device,
+         cpu_compute_layout: bool = True) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """Validate the weights (or take `checked`'s result) and prepare them on `device` (on a CPU in its compute
+    layout, `to_compute_layout`, unless the op table takes them as prepared: `Ops.cpu_compute_layout`)."""
+    config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else checked(vae_or_state_dict)
     with own_arithmetic(device):
         prepared = {name: prepare(name, t.to(device)) for name, t in tensors.items()}
-        if device.type == "cpu":
+        if device.type == "cpu" and cpu_compute_layout:
             prepared = {name: to_compute_layout(t) for name, t in prepared.items()}
         return config, prepared
 
