@@ -35,9 +35,9 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
         rank) instead of FastVideo's own Wan VAE decode. When a request only saves the video, the frames are then
         written to the mp4 as they are decoded (`fastvideo_pan2_ext.integration.streamed_save`).
     vae_decode_<option> (`vae_config.decode_<option>`), one per decoder option (`vae_kernel.options.OPTIONS`):
-        vae_decode_frames_per_pass ("auto" by default), vae_decode_tile_rows, vae_decode_max_memory,
-        vae_decode_backend, vae_decode_conv_algorithm. `vae_frames_per_pass` is the deprecated name of
-        vae_decode_frames_per_pass.
+        vae_decode_frames_per_pass ("auto" by default: `vae_kernel.planning.memory.choose_plan`), vae_decode_tile_rows,
+        vae_decode_max_memory, vae_decode_backend, vae_decode_conv_algorithm. `vae_frames_per_pass` is the deprecated
+        name of vae_decode_frames_per_pass.
 
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
     (measured; `tests/test_pipeline_decode_routes.py`):

@@ -41,22 +41,22 @@ def test_peak_estimate_tracks_the_real_decodes_allocations(decoder, tile_rows):
         _, measured = _working_peak(decoder, z, 2 * torch.Size(decoder.output_shape(z)).numel())
     finally:
         decoder.disable_tiling()
-    estimate = decoder.peak_bytes(z.shape, tile_rows)
+    estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows)
     assert 0.75 * measured <= estimate <= 1.35 * measured, (tile_rows, estimate, measured)
 
 
 def test_peak_falls_with_the_tile(decoder):
-    peaks = [decoder.peak_bytes(SHAPE, n) for n in (1, 2, 4)]
+    peaks = [decoder.peak_bytes(SHAPE, tile_rows=n) for n in (1, 2, 4)]
     assert peaks[0] < peaks[1] < peaks[2] < decoder.peak_bytes(SHAPE)
 
 
 def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_state_dict, decoder, plain):
     z, expected = plain
-    budget = int(1.3 * decoder.peak_bytes(SHAPE, 3)) + 1
+    budget = int(1.3 * decoder.peak_bytes(SHAPE, tile_rows=3)) + 1
     limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
     chosen = limited.plan(SHAPE).tile_rows
     assert chosen is not None and chosen >= 3
-    assert 1.3 * limited.peak_bytes(SHAPE, chosen + 1) > budget  # the next size would not fit
+    assert 1.3 * limited.peak_bytes(SHAPE, tile_rows=chosen + 1) > budget  # the next size would not fit
     video, measured = _working_peak(limited, z, expected.numel() * 2)
     assert torch.equal(video, expected)
     assert measured <= budget, (measured, budget)
@@ -64,7 +64,7 @@ def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_s
 
 def test_max_memory_streams_in_tiles_exactly_and_within_budget(wan22_state_dict, decoder, plain):
     z, expected = plain
-    budget = int(1.3 * decoder.peak_bytes(SHAPE, 4, stream=True)) + 1
+    budget = int(1.3 * decoder.peak_bytes(SHAPE, tile_rows=4, stream=True)) + 1
     limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
     assert limited.plan(SHAPE, stream=True).tile_rows is not None
     with LiveBytes() as tracker:
@@ -125,7 +125,7 @@ def long_video(decoder):
 
 def _budget_between(decoder, shape, small: int, large: int) -> int:
     """A budget that the planner says fits frames_per_pass `small` but not `large`."""
-    lo, hi = (1.3 * decoder.peak_bytes(shape, frames_per_pass=n) for n in (small, large))
+    lo, hi = (1.3 * decoder.peak_bytes(shape, n) for n in (small, large))
     assert lo < hi
     return int((lo + hi) / 2)
 
@@ -150,7 +150,7 @@ def test_auto_with_max_memory_takes_the_largest_setting_that_fits_untiled(wan22_
 
 def test_auto_with_max_memory_below_one_frame_per_pass_tiles_at_one(wan22_state_dict, auto, long_video):
     z, expected = long_video
-    budget = int(1.3 * auto.peak_bytes(LONG, 3, frames_per_pass=1)) + 1
+    budget = int(1.3 * auto.peak_bytes(LONG, 1, 3)) + 1
     limited = WanVAEDecoder(wan22_state_dict, device="cpu", backend="torch", max_memory=budget)
     plan = limited.plan(LONG)
     assert plan.frames_per_pass == 1 and plan.tile_rows is not None and plan.tile_rows >= 3
@@ -173,7 +173,7 @@ def test_auto_fits_the_free_device_memory(monkeypatch, auto, long_video):
 def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatch, auto, long_video):
     z, expected = long_video
     video_bytes = expected.numel() * 2
-    room = int(1.3 * auto.peak_bytes(LONG, 2, frames_per_pass=1)) + 1
+    room = int(1.3 * auto.peak_bytes(LONG, 1, 2)) + 1
     monkeypatch.setattr(memory, "free_device_bytes", lambda device: room + video_bytes)
     plan = auto.plan(LONG)
     assert plan.frames_per_pass == 1 and plan.tile_rows is not None and plan.tile_rows >= 2

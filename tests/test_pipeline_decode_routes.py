@@ -68,7 +68,7 @@ def _budget_that_tiles(pan2) -> int:
     """A budget between one-row tiles' and the untiled decode's planned peak (so max_memory must tile)."""
     decoder = fast_decode.decoder_for(pan2[0].get_module("vae"), torch.device("cpu"))
     shape = LATENTS[:1].shape
-    return int(1.3 * (decoder.peak_bytes(shape, 1) + decoder.peak_bytes(shape)) / 2)
+    return int(1.3 * (decoder.peak_bytes(shape, tile_rows=1) + decoder.peak_bytes(shape)) / 2)
 
 
 def test_fast_decoder_decodes_each_sample_of_a_batch_as_alone(pan2, tiny_ckpt, plain):

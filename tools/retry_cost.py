@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.decoder import DecodePlan  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.planning.memory import MemoryPlanner  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.planning.memory import DecodePlan, MemoryPlanner  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
@@ -78,8 +77,7 @@ def ladder(start: DecodePlan, stream: bool) -> list[str]:
     while plan is not None:
         peak = planner.peak_bytes(shape, plan.frames_per_pass, plan.tile_rows, stream)
         plans.append(f"{plan}: {peak / 2**30:.2f} GiB")
-        nxt = planner.retry_plan(shape, plan.frames_per_pass, plan.tile_rows, stream, may_tile=True)
-        plan = None if nxt is None else DecodePlan(*nxt)
+        plan = planner.retry_plan(shape, plan.frames_per_pass, plan.tile_rows, stream, may_tile=True)
     return plans
 
 

@@ -2,17 +2,16 @@
 
 The same math as `reference.decode` (diffusers' `AutoencoderKLWan.decode`), organised for speed by the modules below
 this one: `network` (one pass of the network over a band of rows), `passes` (the loops over passes, bands and tiles),
-`bands` (how rows are split across ranks), `memory` (peak working memory and the tile planner), `backends` (which op
-table runs: portable or compiled). This module validates input, chooses among those, and keeps the ranks in step
-(`agreement`).
+`bands` (how rows are split across ranks), `memory` (peak working memory and the plan: `memory.choose_plan`),
+`backends` (which op table runs: portable or compiled). This module validates input, runs the plan, keeps the ranks
+in step (`agreement`) and retries a decode that ran out of memory.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import traceback
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,8 +20,9 @@ from . import options as options_mod
 from .backends import select_ops
 from .definitions.architecture import check_latents, video_shape
 from .distributed.agreement import DecodeRequest, agree, gather_ints, supported_dtype
-from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows, split_rows
+from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows
 from .planning import memory
+from .planning.memory import DecodePlan
 from .portable import weights as weights_mod
 from .portable.passes import Chunk, PassRunner, latent_passes
 
@@ -40,23 +40,6 @@ def _resolve_device(device) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-class DecodePlan(NamedTuple):
-    """How one decode runs: latent frames per pass, and latent rows per tile (None: untiled)."""
-
-    frames_per_pass: int
-    tile_rows: int | None
-
-    def __str__(self) -> str:
-        frames = f"{self.frames_per_pass} latent frame{'s' if self.frames_per_pass > 1 else ''} per pass"
-        if self.tile_rows is None:
-            return f"{frames}, untiled"
-        return f"{frames} in tiles of {self.tile_rows} latent row{'s' if self.tile_rows > 1 else ''}"
-
-    def size(self) -> tuple[int, float]:
-        """The order of plans (a smaller plan holds less): frames per pass, then tile rows (untiled largest)."""
-        return self.frames_per_pass, math.inf if self.tile_rows is None else self.tile_rows
 
 
 class DecodeOutOfMemoryError(torch.OutOfMemoryError):
@@ -101,15 +84,12 @@ class WanVAEDecoder:
     rank 0 returns the video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto"
     (compiled where built and self-checked, else portable), "cuda" (compiled or an error), "torch" (portable, CPU
     too), or an `ops.Ops` table to run as given.
-    `frames_per_pass`: latent frames per pass (memory vs speed; the same video), or "auto": per decode, the largest of
-    8, 4, 2, 1 whose planned peak fits `max_memory` when set, else both the free device memory and
-    `memory.DEFAULT_MEMORY_GOAL` (16 GiB for weights, working memory and video together); when even 1 does not fit
-    the free memory, a single-rank decode tiles to fit it. The ranks of a group take the smallest any of them can
-    afford. `plan(latents_shape)` tells what a decode will do.
+    `frames_per_pass`: latent frames per pass (memory vs speed; the same video), or "auto" (the default).
     `tile_rows=n` (or `enable_tiling(n)`): exact tiled decode of a single-rank decoder, n latent rows per tile.
-    `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder picks, per latent shape, the largest tile
-    whose peak working memory (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video)
-    fits; the plain decode when it fits whole. `decode` and `decode_iter` both honour tiling.
+    `max_memory=bytes` (or a string such as "2GiB"): a single-rank decoder's budget for its peak working memory
+    (`peak_bytes`: what a decode allocates beyond weights, latents and the returned video). How these choose each
+    decode's plan is `planning.memory.choose_plan`; `plan(latents_shape)` tells what a decode will do. `decode` and
+    `decode_iter` both honour tiling.
     `conv_algorithm`: the 3x3 spatial convs "direct", by "winograd" F(2x2, 3x3) (2.25x fewer multiplies, within the
     allowance at every layer), or "auto" (the per-layer choice the GPU check measured for this GPU; direct where
     nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
@@ -171,10 +151,11 @@ class WanVAEDecoder:
     # Memory (memory.MemoryPlanner)
     # ---------------------------------------------------------------------------------------------------------------
 
-    def peak_bytes(self, latents_shape, tile_rows: int | None = None, stream: bool = False,
-                   frames_per_pass: int | None = None) -> int:
+    def peak_bytes(self, latents_shape, frames_per_pass: int | None = None, tile_rows: int | None = None,
+                   stream: bool = False) -> int:
         """Peak working memory (bytes) of decoding latents of `latents_shape` at `frames_per_pass` (None: this
-        decoder's; for "auto", what `plan` chooses) (see `memory.MemoryPlanner`)."""
+        decoder's; for "auto", what `plan` chooses) in tiles of `tile_rows` (None: untiled), by `decode` or
+        (stream=True) `decode_iter` (see `memory.MemoryPlanner.peak_bytes`)."""
         shape = self._shape(latents_shape)
         if frames_per_pass is None:
             frames_per_pass = self.plan(shape, stream).frames_per_pass
@@ -185,31 +166,10 @@ class WanVAEDecoder:
         "auto", the free device memory is read at each call); ValueError when `max_memory` cannot be met. Never
         larger than a plan an earlier decode of this shape retried at after running out of memory."""
         shape = self._shape(latents_shape)
-        planned = self._plan(shape, stream)
+        planned = memory.choose_plan(self._planner, shape, self.frames_per_pass, self.tile_rows, stream,
+                                     self.max_memory, self._ranks, self.ops.row_multiple)
         ceiling = self._ceilings.get((shape[2:], stream))
         return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
-
-    def _plan(self, shape, stream: bool) -> DecodePlan:
-        if self.frames_per_pass != memory.AUTO:
-            return DecodePlan(self.frames_per_pass, self._tile_rows_for(shape, stream, self.frames_per_pass))
-        if self.max_memory is not None:  # the largest setting that decodes untiled within budget, else tiles at 1
-            fpp = self._planner.frames_per_pass(shape, self.max_memory, stream) or 1
-            return DecodePlan(fpp, self._tile_rows_for(shape, stream, fpp))
-        band = self._band_shape(shape)
-        video = 0 if stream else 2 * math.prod(video_shape(self.config, shape))  # decode returns it, bf16
-        free = memory.free_device_bytes(self.device)
-        room = None if free is None else free - video
-        goal = memory.DEFAULT_MEMORY_GOAL - self._planner.weight_bytes - video
-        fpp = self._planner.frames_per_pass(band, goal if room is None else min(goal, room), stream, self.tile_rows)
-        if fpp is not None:
-            return DecodePlan(fpp, self._tile_rows_for(shape, stream, fpp))
-        if room is None or self.pg is not None or self.tile_rows is not None \
-                or self._planner.fits(band, None, stream, room, 1):
-            return DecodePlan(1, self._tile_rows_for(shape, stream, 1))
-        try:  # even one frame per pass overflows the free memory: exact tiles that fit it
-            return DecodePlan(1, self._planner.tile_rows(shape, room, stream, 1))
-        except ValueError:
-            return DecodePlan(1, None)  # nothing fits by the plan: leave it to the allocator
 
     def _shape(self, latents_shape) -> tuple[int, ...]:
         shape = tuple(latents_shape)
@@ -218,19 +178,9 @@ class WanVAEDecoder:
                              f"{latents_shape!r}")
         return shape
 
-    def _tile_rows_for(self, latents_shape, stream: bool, frames_per_pass: int) -> int | None:
-        if self.max_memory is None:
-            return self.tile_rows if self.tile_rows is not None and self.tile_rows < latents_shape[3] else None
-        return self._planner.tile_rows(latents_shape, self.max_memory, stream, frames_per_pass)
-
-    def _band_shape(self, latents_shape) -> tuple[int, ...]:
-        """The latents one rank decodes: its band of rows plus a halo row on each side (the whole frame alone)."""
-        if self.pg is None:
-            return latents_shape
-        height = latents_shape[3]
-        bands = split_rows(height, dist.get_world_size(self.pg), self.ops.row_multiple)
-        rows = min(max(stop - start for start, stop in bands) + 2, height)
-        return (*latents_shape[:3], rows, latents_shape[4])
+    @property
+    def _ranks(self) -> int:
+        return 1 if self.pg is None else dist.get_world_size(self.pg)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Input checks (every rank agrees before any work starts)
@@ -251,14 +201,14 @@ class WanVAEDecoder:
 
     def _start(self, latents, stream: bool) -> tuple[DecodePlan, LocalRows]:
         """Check the input and plan the decode; the ranks of a group first agree on both (an error on one rank raises
-        on all; they decode at the smallest frames_per_pass any of them planned)."""
+        on all; they decode at the `memory.smallest` of their plans)."""
         rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
         error = self._input_error(latents)
         plan = None if error else self.plan(latents.shape, stream)
         if isinstance(rows, RankRows):
             mine = DecodeRequest(False) if error else DecodeRequest.of(latents, self.frames_per_pass,
                                                                        plan.frames_per_pass, self.config)
-            plan = DecodePlan(agree(self.pg, rows.comm_device, mine, error), None)
+            plan = memory.smallest(DecodePlan(fpp, None) for fpp in agree(self.pg, rows.comm_device, mine, error))
         elif error:
             raise ValueError(error)
         self.last_plan = plan
@@ -283,7 +233,7 @@ class WanVAEDecoder:
         writes them out never holds the whole video. Input errors raise here, before the first chunk. With tiling
         (`tile_rows` / `max_memory`) every pass runs tile after tile, each tile keeping its own causal history, so the
         chunks are the same, the activations are one tile's, and the histories are the whole frame's (plus margins):
-        `peak_bytes(shape, n, stream=True)`.
+        `peak_bytes(shape, tile_rows=n, stream=True)`.
         Out of memory before the first chunk: retried at a smaller plan, unseen. After it: `DecodeRestart` (every
         rank), and iterating `decode_iter(latents)` again decodes from the first frame at the smaller plan."""
         start = self._start(latents, stream=True)
@@ -414,18 +364,19 @@ class WanVAEDecoder:
     def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan, rows: LocalRows,
                failure: _AttemptFailed) -> tuple[DecodePlan, LocalRows]:
         """After an out-of-memory attempt (on any rank): release what it held, choose the plan below it (the ranks
-        take the smallest any of them proposes), warn, and start again (or raise when no smaller plan is left)."""
+        take the `memory.smallest` of their proposals), warn, and start again (or raise when no smaller plan is
+        left)."""
         text, yielded = failure.text, failure.yielded
         tried.append(failed)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        shape = self._band_shape(tuple(latents.shape))
+        shape = memory.band_shape(latents.shape, self._ranks, self.ops.row_multiple)
         smaller = self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
                                            may_tile=self.pg is None)
         if self.pg is not None:
             proposals = [p for p, _ in gather_ints(self.pg, rows.comm_device,
                                                    [0 if smaller is None else smaller[0], 0])]
-            smaller = None if 0 in proposals else (min(proposals), None)
+            smaller = None if 0 in proposals else memory.smallest(DecodePlan(p, None) for p in proposals)
         if smaller is None:
             plans = "; ".join(str(p) for p in tried)
             self.last_retries = tuple(tried)
@@ -433,7 +384,6 @@ class WanVAEDecoder:
             raise DecodeOutOfMemoryError(f"the VAE decode of latents {list(latents.shape)} ran out of memory at every "
                                          f"plan it tried, the smallest included: {plans} ({text})",
                                          tuple(self.last_retries)) from None
-        smaller = DecodePlan(*smaller)
         self._ceilings[key] = smaller
         if yielded:
             logger.warning("VAE decode ran out of memory at %s after it had yielded frames; decode_iter restarts "

@@ -22,7 +22,7 @@ class DecodeRequest:
     frames_per_pass: int = -1  # the option: an int, or 0 for "auto"
     architecture: int = -1  # a fingerprint of the decoder's config
     checksum: float = -1.0  # sum |latents|: the same latents on every rank
-    planned_frames_per_pass: int = -1  # what this rank's plan chose (the ranks then take the smallest)
+    planned_frames_per_pass: int = -1  # what this rank's plan chose (the group runs `memory.smallest`)
 
     @classmethod
     def of(cls, latents: torch.Tensor, frames_per_pass: int | str, planned: int, config) -> "DecodeRequest":
@@ -54,9 +54,10 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-def agree(pg, comm_device: torch.device, mine: DecodeRequest, error: str | None) -> int:
+def agree(pg, comm_device: torch.device, mine: DecodeRequest, error: str | None) -> list[int]:
     """Exchange every rank's request; raise ValueError on every rank if any rank's input failed (`error`: this
-    rank's reason) or the ranks disagree. Returns the frames_per_pass they all decode at: the smallest planned."""
+    rank's reason) or the ranks disagree. Returns every rank's planned frames per pass, in group rank order (the
+    group runs the smallest plan: `planning.memory.smallest`)."""
     everyone = [torch.empty(11, dtype=torch.float64, device=comm_device) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(everyone, mine.to_tensor().to(comm_device), group=pg)
     if error:
@@ -68,7 +69,7 @@ def agree(pg, comm_device: torch.device, mine: DecodeRequest, error: str | None)
         if not theirs.same_decode(mine):
             raise ValueError(f"ranks disagree about the decode: rank {rank} has {theirs}; this rank has {mine}; "
                              "every rank must pass the same latents")
-    return min(request.planned_frames_per_pass for request in requests)
+    return [request.planned_frames_per_pass for request in requests]
 
 
 def gather_ints(pg, comm_device: torch.device, values: list[int]) -> list[list[int]]:

@@ -10,29 +10,131 @@ returned video. Scratch is counted twice over (`_SCRATCH_COPIES`): the portable 
 of some operands (measured against the real CPU decode under `LiveBytes`, one copy underestimates small tiles by up
 to 30%).
 
-`frames_per_pass="auto"` (the default) is planned here too: the largest of `FRAMES_PER_PASS_CHOICES` whose peak fits
-a budget (docs/design.md, "The decoder": memory planner).
+How a decode is planned (`frames_per_pass="auto"`, `max_memory`, the tiles, a decode group's agreement) is stated
+once, in `choose_plan` and `smallest` (docs/design.md, "The decoder": memory planner). Every planner method takes
+its arguments in one order: (latents_shape, frames_per_pass, tile_rows, stream, budget), those that apply.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.bands import LocalRows
+from ..definitions.architecture import video_shape
+from ..distributed.bands import LocalRows, split_rows
 from ..portable.network import DecodeState, NetworkPass, Tile
 from ..portable.ops import Ops
 from ..portable.passes import latent_passes, pass_video_frames, row_tiles
 
 _SCRATCH_COPIES = 2
 AUTO = "auto"
-FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first
+FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first (`choose_plan`)
 # frames_per_pass="auto" keeps a decode's whole allocation (weights, working memory, returned video) within this when
-# nothing smaller bounds it: PAN2's default video (704x1248, 193 frames) then decodes at frames_per_pass 1 on one GPU.
+# nothing smaller bounds it (`choose_plan`): PAN2's default video (704x1248, 193 frames) then decodes at
+# frames_per_pass 1 on one GPU.
 DEFAULT_MEMORY_GOAL = 16 * 2**30
+# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
+# frames at 2 frames per pass (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is
+# checked against 1.3 x the replay. At 1 frame per pass such frames are worse (3-row tiles: 44%; 4 columns: 12-17%;
+# 6 columns: within 4%): the tests that hold a decode to its budget use frames at least 4 columns wide.
+PEAK_HEADROOM = 1.3
+# A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
+# (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries
+# few plans (PAN2's video at 4 frames per pass: 4, 2, 1, then tiles), and the smallest plan is tried last.
+RETRY_PEAK_FRACTION = 0.75
+_STREAM_RETRY_TILES = (2, 3, 4, 6, 8)  # tile counts a streamed decode's retry tries
+
+
+class DecodePlan(NamedTuple):
+    """How one decode runs: latent frames per pass, and latent rows per tile (None: untiled)."""
+
+    frames_per_pass: int
+    tile_rows: int | None
+
+    def __str__(self) -> str:
+        frames = f"{self.frames_per_pass} latent frame{'s' if self.frames_per_pass > 1 else ''} per pass"
+        if self.tile_rows is None:
+            return f"{frames}, untiled"
+        return f"{frames} in tiles of {self.tile_rows} latent row{'s' if self.tile_rows > 1 else ''}"
+
+    def size(self) -> tuple[int, float]:
+        """The order of plans (a smaller plan holds less): frames per pass, then tile rows (untiled largest)."""
+        return self.frames_per_pass, math.inf if self.tile_rows is None else self.tile_rows
+
+
+def choose_plan(planner: MemoryPlanner, latents_shape, frames_per_pass: int | str, tile_rows: int | None,
+                stream: bool, budget: int | None, ranks: int = 1, row_multiple: int = 1) -> DecodePlan:
+    """The plan of one rank's decode (`decode`, or stream=True `decode_iter`) of latents of `latents_shape`, given
+    the decoder's options (`frames_per_pass`, `tile_rows`, `budget` = max_memory in bytes) and its group of `ranks`
+    (whose bands start on multiples of `row_multiple` rows). The rule, in order:
+
+    1. An explicit `frames_per_pass` is kept; so are explicit `tile_rows` (untiled when not fewer than the frame's
+       rows). With `budget`, the largest tile whose planned peak fits it (untiled when the whole frame fits;
+       ValueError when even one-row tiles do not).
+    2. "auto" with `budget`: the largest of `FRAMES_PER_PASS_CHOICES` whose untiled planned peak fits it, else 1;
+       tiles as in 1.
+    3. "auto" otherwise: the largest of `FRAMES_PER_PASS_CHOICES` whose planned peak of one rank's band (its rows
+       plus a halo row each side), at `tile_rows`, fits both the device's free memory (`free_device_bytes`; not
+       measured on a CPU) and `DEFAULT_MEMORY_GOAL` minus the weights, each less the returned video (none for
+       decode_iter); else 1.
+    4. When even 1 overflows the free memory, a single-rank decoder without `tile_rows` tiles to fit it (the largest
+       tile that does; untiled when none does: the allocator decides).
+
+    "Fits" means the replayed peak (`MemoryPlanner.peak_bytes`) x PEAK_HEADROOM is within the bytes. A decode group
+    then runs the `smallest` of its ranks' plans; a decode that runs out of memory retries at
+    `MemoryPlanner.retry_plan`, and `WanVAEDecoder.plan` never exceeds a plan retried at before."""
+    shape = tuple(latents_shape)
+    if frames_per_pass != AUTO:
+        return DecodePlan(frames_per_pass, _tiles(planner, shape, frames_per_pass, tile_rows, stream, budget))
+    if budget is not None:
+        fpp = planner.most_frames_per_pass(shape, None, stream, budget) or 1
+        return DecodePlan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, budget))
+    band = band_shape(shape, ranks, row_multiple)
+    video = 0 if stream else 2 * math.prod(video_shape(planner.config, shape))  # decode returns it, bf16
+    free = free_device_bytes(planner.device)
+    room = None if free is None else free - video
+    goal = DEFAULT_MEMORY_GOAL - planner.weight_bytes - video
+    fpp = planner.most_frames_per_pass(band, tile_rows, stream, goal if room is None else min(goal, room))
+    if fpp is not None:
+        return DecodePlan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, None))
+    if room is None or ranks > 1 or tile_rows is not None or planner.fits(band, 1, None, stream, room):
+        return DecodePlan(1, _tiles(planner, shape, 1, tile_rows, stream, None))
+    try:  # even one frame per pass overflows the free memory: exact tiles that fit it
+        return DecodePlan(1, planner.largest_tile(shape, 1, stream, room))
+    except ValueError:
+        return DecodePlan(1, None)  # nothing fits by the plan: leave it to the allocator
+
+
+def smallest(plans: Iterable[DecodePlan]) -> DecodePlan:
+    """The plan a decode group runs: the smallest of its ranks' plans (every rank must run the same passes, since
+    the halo exchanges happen per pass, and the smallest is one every rank can afford)."""
+    return min(plans, key=DecodePlan.size)
+
+
+def band_shape(latents_shape, ranks: int, row_multiple: int = 1) -> tuple[int, ...]:
+    """The latents one rank of a group of `ranks` decodes: its band of rows plus a halo row on each side (the whole
+    frame alone)."""
+    shape = tuple(latents_shape)
+    if ranks == 1:
+        return shape
+    height = shape[3]
+    rows = min(max(stop - start for start, stop in split_rows(height, ranks, row_multiple)) + 2, height)
+    return (*shape[:3], rows, shape[4])
+
+
+def _tiles(planner: MemoryPlanner, shape, frames_per_pass: int, tile_rows: int | None, stream: bool,
+           budget: int | None) -> int | None:
+    if budget is None:
+        return tile_rows if tile_rows is not None and tile_rows < shape[3] else None
+    return planner.largest_tile(shape, frames_per_pass, stream, budget)
+
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -124,18 +226,6 @@ def dry_ops(compute_itemsize: int) -> Ops:
     return Ops("dry", op, op, op, attention, op, op)
 
 
-# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
-# frames at 2 frames per pass (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is
-# checked against 1.3 x the replay. At 1 frame per pass such frames are worse (3-row tiles: 44%; 4 columns: 12-17%;
-# 6 columns: within 4%): the tests that hold a decode to its budget use frames at least 4 columns wide.
-PEAK_HEADROOM = 1.3
-# A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
-# (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries
-# few plans (PAN2's video at 4 frames per pass: 4, 2, 1, then tiles), and the smallest plan is tried last.
-RETRY_PEAK_FRACTION = 0.75
-_STREAM_RETRY_TILES = (2, 3, 4, 6, 8)  # tile counts a streamed decode's retry tries
-
-
 class MemoryPlanner:
     """A decode's peak working memory, measured by replaying its buffers on the meta device, and the tile that keeps
     it within a budget."""
@@ -158,12 +248,12 @@ class MemoryPlanner:
         tiles then advance together, so every tile's causal history is alive at once). Excludes weights, latents and
         the returned video (for `decode_iter`, the chunk being yielded is included). Batch elements are decoded one
         after another, so the batch size does not change it. Remembered per shape and setting."""
-        key = (*latents_shape[2:], tile_rows, stream, frames_per_pass)
+        key = (*latents_shape[2:], frames_per_pass, tile_rows, stream)
         if key not in self._peaks:
-            self._peaks[key] = self._replay(latents_shape, tile_rows, stream, frames_per_pass)
+            self._peaks[key] = self._replay(latents_shape, frames_per_pass, tile_rows, stream)
         return self._peaks[key]
 
-    def _replay(self, latents_shape, tile_rows: int | None, stream: bool, frames_per_pass: int) -> int:
+    def _replay(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool) -> int:
         _, _, t, height, width = latents_shape
         if self._meta_weights is None:
             self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
@@ -198,44 +288,45 @@ class MemoryPlanner:
             del states
         return tracker.peak
 
-    def frames_per_pass(self, latents_shape, budget: int, stream: bool, tile_rows: int | None = None) -> int | None:
+    def most_frames_per_pass(self, latents_shape, tile_rows: int | None, stream: bool, budget: int) -> int | None:
         """The largest of `FRAMES_PER_PASS_CHOICES` whose peak (with `tile_rows`) fits `budget` bytes, None when
         none does. A clip of T latent frames never needs more than T - 1 per pass (the first frame goes alone)."""
         most = max(latents_shape[2] - 1, 1)
         for fpp in FRAMES_PER_PASS_CHOICES:
-            if fpp <= most and self.fits(latents_shape, tile_rows, stream, budget, fpp):
+            if fpp <= most and self.fits(latents_shape, fpp, tile_rows, stream, budget):
                 return fpp
         return None
 
-    def tile_rows(self, latents_shape, budget: int, stream: bool, frames_per_pass: int) -> int | None:
-        """The largest tile whose peak fits `budget` bytes (None: the untiled decode fits); ValueError when even
-        one-row tiles do not fit. Remembered per latent shape."""
-        key = (*latents_shape[2:], budget, stream, frames_per_pass)
+    def largest_tile(self, latents_shape, frames_per_pass: int, stream: bool, budget: int) -> int | None:
+        """The largest tile (latent rows) whose peak fits `budget` bytes (None: the untiled decode fits); ValueError
+        when even one-row tiles do not fit. Remembered per latent shape."""
+        key = (*latents_shape[2:], frames_per_pass, stream, budget)
         if key not in self._plans:
-            self._plans[key] = self._plan(tuple(latents_shape), budget, stream, frames_per_pass)
+            self._plans[key] = self._largest_tile(tuple(latents_shape), frames_per_pass, stream, budget)
         return self._plans[key]
 
-    def fits(self, shape, tile_rows, stream, budget, frames_per_pass) -> bool:
+    def fits(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool, budget: int) -> bool:
         """Whether the planned peak (x PEAK_HEADROOM) of this decode setting fits `budget` bytes."""
-        return self.peak_bytes(shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
+        return self.peak_bytes(latents_shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
 
-    def retry_plan(self, shape, frames_per_pass: int, tile_rows: int | None, stream: bool,
-                   may_tile: bool) -> tuple[int, int | None] | None:
+    def retry_plan(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool,
+                   may_tile: bool) -> DecodePlan | None:
         """The plan a decode that ran out of memory at (`frames_per_pass`, `tile_rows`) retries at: among the smaller
         plans (fewer frames per pass at the same tiles; then, at 1 frame per pass and where `may_tile`, smaller
         exact tiles, largest first), the first whose peak is at most RETRY_PEAK_FRACTION of the failed plan's; else
         the smaller plan with the least peak, if that is below the failed plan's; None when no smaller plan is
         left."""
+        shape = latents_shape
         failed = self.peak_bytes(shape, frames_per_pass, tile_rows, stream)
         budget = failed * RETRY_PEAK_FRACTION
         most = min(frames_per_pass, max(shape[2] - 1, 1))  # more than T - 1 per pass runs as T - 1
-        fewer = [(fpp, tile_rows) for fpp in FRAMES_PER_PASS_CHOICES if fpp < most]
+        fewer = [DecodePlan(fpp, tile_rows) for fpp in FRAMES_PER_PASS_CHOICES if fpp < most]
         for plan in fewer:
             if self.peak_bytes(shape, *plan, stream) <= budget:
                 return plan
         height = shape[3] if tile_rows is None else tile_rows
         tiles = [] if not may_tile or height < 2 else self._smaller_tiles(shape, height, stream, budget)
-        candidates = fewer + [(1, rows) for rows in tiles]
+        candidates = fewer + [DecodePlan(1, rows) for rows in tiles]
         for plan in candidates[len(fewer):]:
             if self.peak_bytes(shape, *plan, stream) <= budget:
                 return plan
@@ -248,8 +339,8 @@ class MemoryPlanner:
         """Tile sizes under `below` rows to try at 1 frame per pass, largest first. Tile by tile the peak grows with
         the tile, so the largest tile within `budget` (binary search) and the one-row tile (the least peak) are the
         only ones worth trying. Streamed, every tile's history is alive at once and smaller tiles can cost more (see
-        `_plan_stream`): the largest tile of 2, 3, 4, 6 and 8 tiles (a handful of replays: a streamed replay of a
-        large frame is slow)."""
+        `_largest_streamed_tile`): the largest tile of 2, 3, 4, 6 and 8 tiles (a handful of replays: a streamed
+        replay of a large frame is slow)."""
         if stream:
             return sorted({rows for rows in (-(-shape[3] // k) for k in _STREAM_RETRY_TILES) if rows < below},
                           reverse=True)
@@ -262,25 +353,25 @@ class MemoryPlanner:
                 hi = mid - 1
         return sorted({lo, 1}, reverse=True)
 
-    def _plan(self, shape, budget: int, stream: bool, fpp: int) -> int | None:
+    def _largest_tile(self, shape, fpp: int, stream: bool, budget: int) -> int | None:
         height = shape[3]
-        if self.fits(shape, None, stream, budget, fpp):
+        if self.fits(shape, fpp, None, stream, budget):
             return None
         if stream:
-            return self._plan_stream(shape, budget, fpp)
+            return self._largest_streamed_tile(shape, fpp, budget)
         smallest = int(self.peak_bytes(shape, fpp, 1) * PEAK_HEADROOM)
         if smallest > budget:
             raise _too_small(budget, shape, smallest, "even in one-row tiles")
         lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.fits(shape, mid, False, budget, fpp):
+            if self.fits(shape, fpp, mid, False, budget):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def _plan_stream(self, shape, budget: int, fpp: int) -> int:
+    def _largest_streamed_tile(self, shape, fpp: int, budget: int) -> int:
         """Streaming keeps every tile's history, and the tiles' margins overlap, so below some size smaller tiles
         cost more (Wan2.2 at 704x1248: least near 11 rows). Try each tile count's largest tile, largest first."""
         height = shape[3]
