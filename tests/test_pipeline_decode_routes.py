@@ -112,15 +112,25 @@ def test_a_budget_too_small_for_one_row_tiles_is_a_clear_error(pan2, tiny_ckpt, 
 
 def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_ckpt, plain, tmp_path):
     """Streamed tiles advance together, so every tile's causal history is alive at once: at this small frame no
-    tile size streams within a budget that one-at-a-time tiles fit. The stage says so before writing anything."""
+    tile size streams within a budget that one-at-a-time tiles fit. The stage says so before writing any frame, and
+    keeps the latents (a failed decode after denoising never loses them: `integration.kept_latents`)."""
+    import re
+
+    from fastvideo_pan2_ext.integration import kept_latents
+
     budget = _budget_that_tiles(pan2)
     assert torch.equal(_stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_max_memory=budget),
                        plain)
-    with pytest.raises(ValueError, match=r"is too small to decode latents \[1, 48, 3, 3, 5\] streamed "
-                       r"\(decode_iter\) in any tile size: that needs at least"):
-        _stage_output(pan2, tiny_ckpt, LATENTS, stream_to=tmp_path / "x.mp4", vae_decode_kernel=True,
-                      vae_decode_max_memory=budget)
-    assert not (tmp_path / "x.mp4").exists()
+    pipeline, args = pan2
+    batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
+    batch.latents = LATENTS.clone()
+    batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(str(tmp_path / "x.mp4"), 24)
+    with _config(args, vae_decode_frames_per_pass=2, vae_decode_kernel=True, vae_decode_max_memory=budget):
+        failure = pipeline._stage_name_mapping["decoding_stage"](batch, args).extra[kept_latents.KEY]
+    assert re.search(r"ValueError: max_memory .* is too small to decode latents \[1, 48, 3, 3, 5\] streamed "
+                     r"\(decode_iter\) in any tile size: that needs at least", failure.error), failure.error
+    assert not (tmp_path / "x.mp4").exists() and failure.latents == str(tmp_path / "x.latents.safetensors")
+    assert (tmp_path / "x.latents.safetensors").is_file()
 
 
 def test_options_set_after_the_config_was_made_are_checked_at_decode(pan2, tiny_ckpt):
