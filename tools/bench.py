@@ -49,6 +49,7 @@ import torch
 if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's package importable as in `-m` use
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tools.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, diffusers_arguments  # noqa: E402
@@ -589,13 +590,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return f"{names[0]} ({len(names)} cores)"
-    except (OSError, IndexError):
-        return platform.processor() or "CPU"
 
 
 def parse_args(argv=None):
@@ -652,7 +646,7 @@ def main(argv=None) -> dict:
 
     report = {
         "date": date, "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
         "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
         "allowance": f"max|d| and RMS(d) <= {ALLOWANCE} x the release bf16 decode's, against the fp32 reference",

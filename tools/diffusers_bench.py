@@ -35,6 +35,8 @@ import torch
 if __package__ in (None, ""):  # `python tools/diffusers_bench.py`: import the repository's package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tools.machine import cpu_name  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 # name -> (VAE dtype, diffusers' enable_tiling(), the fast decoder)
 METHODS = {
@@ -93,13 +95,6 @@ def run_method(args) -> None:
         "median_s": statistics.median(times), "times_s": times, "peak_rss_added_mib": peak_kib / 1024}))
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "CPU"
-
 
 def _difference(video: torch.Tensor, reference: torch.Tensor) -> dict:
     d = (video.double() - reference.double())
@@ -147,7 +142,7 @@ def main(argv=None) -> int:
             figures["seam_error_vs_own_untiled"] = _difference(videos[method], videos[UNTILED[method]])
     date = datetime.date.today().isoformat()
     record = {
-        "date": date, "machine": f"{_cpu_name()}, {os.cpu_count()} cores, no GPU", "threads": args.threads,
+        "date": date, "machine": f"{cpu_name()}, {os.cpu_count()} cores, no GPU", "threads": args.threads,
         "torch": torch.__version__, "diffusers": __import__("diffusers").__version__,
         "command": "python tools/diffusers_bench.py " + " ".join(sys.argv[1:]),
         "vae": f"AutoencoderKLWan (Wan2.1 layout), base_dim {args.base_dim}, z_dim 16, seeded random weights",

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
+from tools.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.planning.memory import DecodePlan, MemoryPlanner  # noqa: E402
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     result = {
         "command": "python tools/retry_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}, 1 thread",
+        "machine": f"{platform.processor() or platform.machine()}, {cpu_name()}, 1 thread",
         "model": "narrow Wan2.2 layout (bench.py's cpu-tiny widths), seeded random weights",
         "latents": list(z.shape), "video_frames": 4 * args.frames - 3, "repeats": args.repeats,
         "convs_per_attempt_at_4_frames_per_pass": convs_at_4,
@@ -136,15 +137,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

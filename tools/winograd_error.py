@@ -39,6 +39,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # `python tools/winograd_error.py`: make the repository's package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tools.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import (  # noqa: E402
@@ -236,15 +237,6 @@ def latent_thw(text: str) -> tuple[int, int, int]:
     t, h, w = (int(v) for v in text.split("x"))
     return t, h, w
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> None:
