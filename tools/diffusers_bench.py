@@ -21,7 +21,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import resource
 import statistics
 import subprocess
