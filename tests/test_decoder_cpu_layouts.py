@@ -65,7 +65,7 @@ def wide_model():
 
 def test_wide_decoder_runs_both_layouts_within_the_allowance_for_every_pass_and_tile(wide_model):
     sd, z, ref32, release = wide_model
-    _, prepared = load(sd, torch.device("cpu"))
+    _, prepared = load(sd, torch.device("cpu"), cpu_compute_layout=True)
     assert all(t.dtype == torch.float32 for t in prepared.values())
     channels_first = {n for n, t in prepared.items() if t.dim() == 5 and ops.computes_channels_first(t)}
     assert "decoder.mid_block.resnets.0.conv1.weight" in channels_first
