@@ -7,7 +7,7 @@ history windows, copies, padding) reads and writes.
 
 Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the
 least any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not
-counted: they are bytes). The implied times use the H200 rates measured on the lent machine (docs/design.md): a
+counted: they are bytes). The implied times use measured H200 rates (docs/design.md): a
 lower bound for a decoder that runs its GEMMs at 790 TFLOP/s and moves every byte at 4.3 TB/s, one after the other.
 Writes bench/results/budget-<date>.json.
 """
@@ -34,7 +34,7 @@ from fastvideo_pan2_ext.vae_kernel.portable.network import DecodeState, NetworkP
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
-GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on the lent H200 (docs/design.md, "The FLOP and byte budget")
+GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on an H200 (docs/design.md, "The FLOP and byte budget")
 COPY_BYTES = 4.3e12  # device-to-device copy, bytes read + written, same machine
 
 
