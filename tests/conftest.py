@@ -21,6 +21,16 @@ def wan22_state_dict(wan22_vae):
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """The build cache every test that builds the real CUDA extension uses (test_compile, the binding checks,
+    can_implement, the GPU check's rehearsal): one process imports a module name once, so two caches in one test run
+    would hand a later test the first one's module. The first test that needs an arch builds it; the rest load it."""
+    root = tmp_path_factory.getbasetemp() / "wan22-compile-cache"
+    root.mkdir(mode=0o700, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The tiny PAN2 checkpoint, made once per session by `python -m fastvideo_pan2_ext.demo.tiny_checkpoints`
     (see _pan2_helpers)."""

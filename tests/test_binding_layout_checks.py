@@ -112,12 +112,12 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def built():
-    """The real extension (sm_90a), built without a GPU (or loaded) through the build cache a user gets."""
+def built(compile_cache):
+    """The real extension (sm_90a), built without a GPU (or loaded) through the build cache (the test run's one)."""
     if build.cuda_home() is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
     os.environ.setdefault("MAX_JOBS", "1")
-    return extension.build_extension("sm_90a")
+    return extension.build_extension("sm_90a", root=compile_cache)
 
 
 @pytest.mark.slow

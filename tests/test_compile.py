@@ -34,11 +34,8 @@ print(json.dumps({"arch": ext.arch(), "file": ext.__file__, "seconds": time.mono
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory):
-    # Shared by name with tests/test_gpu_check.py, whose dry run then finds the sm_90a build (one compile per session).
-    root = tmp_path_factory.getbasetemp() / "wan22-compile-cache"
-    root.mkdir(exist_ok=True)
-    return root
+def cache_root(compile_cache):
+    return compile_cache  # conftest: the one cache of the test run (tests/test_gpu_check.py's dry run finds it too)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

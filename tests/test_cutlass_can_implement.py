@@ -86,9 +86,9 @@ def problems():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_cutlass_can_implement_every_problem_of_the_real_decoders(arch, problems):
+def test_cutlass_can_implement_every_problem_of_the_real_decoders(arch, problems, compile_cache):
     os.environ.setdefault("MAX_JOBS", "1")
-    ext = extension.build_extension(arch)  # built without a GPU (or loaded) through the build cache a user gets
+    ext = extension.build_extension(arch, root=compile_cache)  # built without a GPU (or loaded): the run's one cache
     signatures = {s for s in selfcheck.op_signatures() if s.op != "rms_norm_silu"}
     assert len(problems) == 2 * len(signatures) and len(signatures) > 30  # both decoders' convs, both tables
     refused, checked = [], 0
@@ -112,11 +112,11 @@ def test_cutlass_can_implement_every_problem_of_the_real_decoders(arch, problems
 
 
 @pytest.mark.parametrize("arch", ["sm_90a"])
-def test_can_implement_refuses_what_the_kernels_cannot_take(arch):
+def test_can_implement_refuses_what_the_kernels_cannot_take(arch, compile_cache):
     """The answers are CUTLASS's and the shape checks', not a constant: problems outside the kernels' rules are
     refused with the reason."""
     os.environ.setdefault("MAX_JOBS", "1")
-    ext = extension.build_extension(arch)
+    ext = extension.build_extension(arch, root=compile_cache)
     assert ext.conv3d_can_implement([1, 3, 5, 13, 64], [64, 3, 3, 3, 64], [0, 0, 1], [0, 0, 1]) is None
     assert "multiples of 8" in ext.conv3d_can_implement([1, 3, 5, 13, 12], [64, 3, 3, 3, 12], [0, 0, 1], [0, 0, 1])
     assert "empty output" in ext.conv3d_can_implement([1, 2, 5, 13, 64], [64, 3, 3, 3, 64], [0, 0, 1], [0, 0, 1])
