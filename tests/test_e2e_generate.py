@@ -35,17 +35,15 @@ def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckp
 
 DEMO_SCRIPT = textwrap.dedent("""
     import sys
-    from fastvideo_pan2_ext.attention import fa4
 
-    # The parent and the workers (spawned: they run this module's top level too) pretend to drive an sm_100 GPU
-    # (flash_attn.cute: a stand-in).
-    fa4._current_capability = lambda: (10, 0)
+    from fastvideo_pan2_ext.demo.pan2 import main
 
     if __name__ == "__main__":
-        from fastvideo_pan2_ext.demo.pan2 import main
-
         sys.exit(main(sys.argv[1:]))
 """)
+# Every process of the run (the parent and FastVideo's workers, however they are started) pretends to drive an
+# sm_100 GPU; flash_attn.cute is a stand-in beside it on PYTHONPATH.
+SM100 = "import fastvideo_pan2_ext.attention.fa4 as fa4\nfa4._current_capability = lambda: (10, 0)\n"
 
 
 def test_demo_uses_the_python_api_with_decode_kernel_and_the_worker_turns_fa4_on_before_loading(tiny_ckpt, tmp_path):
@@ -54,6 +52,7 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_the_worker_turns_fa4_on
     script = tmp_path / "demo.py"
     script.write_text(DEMO_SCRIPT)
     stand_in = fake_flash_attn(tmp_path / "stand_in")
+    (stand_in / "sitecustomize.py").write_text(SM100)
     out = tmp_path / "demo"
     proc = run([sys.executable, str(script), "--checkpoint", str(tiny_ckpt), "--out", str(out), "--height",
                 str(E2E_HEIGHT), "--width", str(E2E_WIDTH), "--frames", str(E2E_FRAMES), "--steps", "2",
