@@ -732,7 +732,7 @@ def build_step(ctx: Context, root: Path, timeout: float) -> dict:
     end = time.monotonic() + timeout - 5
     script = ("import json, sys, time; t = time.monotonic(); "
               f"sys.path.insert(0, {str(REPO)!r}); "
-              "from fastvideo_pan2_ext.vae_kernel import extension; "
+              "from fastvideo_pan2_ext.vae_kernel.compiled import extension; "
               "ext = extension.build_extension(sys.argv[1], root=sys.argv[2]); "
               "print(json.dumps({'seconds': time.monotonic() - t, 'file': ext.__file__, 'arch': ext.arch()}))")
     arch = "sm_90a" if ctx.dry_run else ctx.arch
