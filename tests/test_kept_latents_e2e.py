@@ -121,7 +121,8 @@ def test_a_failed_decode_keeps_the_latents_and_the_decode_command_makes_the_vide
     recorded = torch.load(undisturbed)
     assert kept.normalized is False and kept.vae == str(tiny_ckpt) and kept.layout == "wan2.2"
     assert kept.output == str(out / "v.mp4") and kept.frames == E2E_FRAMES
-    assert kept.decoder_options == {"frames_per_pass": 2, "tile_rows": None, "max_memory": None}
+    assert kept.decoder_options == {"frames_per_pass": 2, "tile_rows": None, "max_memory": None, "backend": "auto",
+                                    "conv_algorithm": "auto"}  # every option of vae_kernel/options.py
     # The same seeded request on the same machine: the latents the failed decode was given are the undisturbed ones.
     torch.testing.assert_close(kept.latents, recorded["latents"].float(), rtol=1e-5, atol=1e-5)
 
