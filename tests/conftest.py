@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from _vae_helpers import make_wan22_vae
+from fastvideo_pan2_ext.attention import ENV_VAR
+
+
+@pytest.fixture(autouse=True)
+def _fa4_variable_restored():
+    """The FA4 policy writes FASTVIDEO_FA4 into os.environ, and every subprocess a later test starts inherits it
+    (pytest's monkeypatch.delenv of an unset variable does not undo a later write): each test ends with the value it
+    started with."""
+    before = os.environ.get(ENV_VAR)
+    yield
+    if before is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = before
 
 
 @pytest.fixture(scope="session")

@@ -181,7 +181,6 @@ def _fastvideo_vae(wan22_vae, frames_per_pass):
 
 def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_path, monkeypatch, caplog):
     from fastvideo_pan2_ext.integration import fast_decode, streamed_save
-    from fastvideo_pan2_ext.video_io import partial_path
 
     streamed_save.write_while_decoding(_fastvideo_vae(wan22_vae, 1), z, streamed_save.StreamedSaveRequest(
         str(tmp_path / "undisturbed.mp4"), 24))
@@ -194,7 +193,7 @@ def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_p
     def conv(x, w, *args):  # the torch conv the portable ops call: more than 4 frames out of memory
         frames = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
         if frames > 4:
-            seen_at_failure.append((target.exists(), partial_path(target).exists()))
+            seen_at_failure.append(target.exists())
             raise torch.OutOfMemoryError(f"injected: {frames} frames")
         return mkldnn_conv(x, w, *args)
 
@@ -209,7 +208,9 @@ def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_p
     finally:
         for logger in loggers:
             logger.removeHandler(caplog.handler)
-    assert seen_at_failure == [(False, True)]  # it failed once, with frames in the partial file, none at the target
+    # It failed once, after frames had been handed to the writer (a restart, not a first-pass failure), with nothing
+    # at the target. Whether ffmpeg has created the partial file by then is its own timing, so not asserted.
+    assert seen_at_failure == [False]
     assert target.read_bytes() == (tmp_path / "undisturbed.mp4").read_bytes()
     assert sorted(p.name for p in target.parent.iterdir()) == ["video.mp4"]
     decoder = fast_decode.decoder_for(vae, z.device)
