@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastvideo_pan2_ext.vae_kernel.compiled import build, verification
-from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS, EmulatedExtension
+from tools.emulated_extension import open_variant, stand_in
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 
 pytestmark = pytest.mark.slow  # each self-check child takes 10-20 s here
@@ -33,10 +33,11 @@ sys.addaudithook(lambda event, args: children.append(1)
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
 from fastvideo_pan2_ext.vae_kernel.compiled import loader
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
+from tools.emulated_extension import stand_in
 errors = []
 for _ in range(2):
     try:
-        loader.load_ops("cpu", arch=sys.argv[1])
+        loader.load_ops("cpu", source=stand_in(sys.argv[1]))
         errors.append(None)
     except CompiledUnavailable as exc:
         errors.append(str(exc))
@@ -52,10 +53,6 @@ def _load_twice(root, arch: str) -> tuple[dict, str]:
     return json.loads(line[len("RESULT "):]), done.stderr
 
 
-def _ext(arch: str) -> EmulatedExtension:
-    return EmulatedExtension(arch, **VARIANTS[arch])
-
-
 @pytest.mark.parametrize("arch,failure", [("emulated-wrong", "OUTSIDE THE ALLOWANCE"),
                                           ("emulated-abort", "crashed (exit -6)")])
 def test_a_failed_self_check_is_remembered_and_not_rerun_by_later_processes(tmp_path, monkeypatch, arch, failure):
@@ -67,10 +64,10 @@ def test_a_failed_self_check_is_remembered_and_not_rerun_by_later_processes(tmp_
     assert second["children"] == 0, "a later process ran the failing self-check again"
 
     monkeypatch.setenv(build.BUILD_DIR_ENV, str(tmp_path))
-    verdict = verification.remembered_verdict(_ext(arch), CPU)
+    verdict = verification.remembered_verdict(open_variant(arch), CPU)
     assert verdict is not None and not verdict.ok and failure in verdict.failure
     assert verdict.path.parent == tmp_path / "verdicts"
-    assert verification.remembered_verdict(_ext("emulated"), CPU) is None  # another build: nothing remembered
+    assert verification.remembered_verdict(open_variant("emulated"), CPU) is None  # another build: nothing remembered
     for error in second["errors"]:
         assert error.startswith("remembered self-check verdict") and str(verdict.path) in error and failure in error
         assert "delete that file to check again" in error
@@ -89,7 +86,7 @@ def genuine_pass(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(build.BUILD_DIR_ENV, str(root))
         # Every case of the full self-check: over a minute here, longer on a loaded machine.
-        assert all(r.ok for r in verification.verify_build_isolated(_ext("emulated"), CPU, timeout_s=1200))
+        assert all(r.ok for r in verification.verify_build_isolated(stand_in("emulated"), CPU, timeout_s=1200))
     (verdict,) = (root / "verdicts").iterdir()
     return root, verdict
 
@@ -104,7 +101,7 @@ def planted_pass(tmp_path, monkeypatch, genuine_pass):
     """The correct build's real passing verdict copied to where the wrong build's verdict is kept: a verdict file
     that marks a broken build as verified."""
     monkeypatch.setenv(build.BUILD_DIR_ENV, str(tmp_path))
-    planted = verification.verdict_path(_ext("emulated-wrong"), CPU)
+    planted = verification.verdict_path(open_variant("emulated-wrong"), CPU)
     planted.parent.mkdir(mode=0o700)
     shutil.copyfile(genuine_pass[1], planted)
     os.chmod(planted, 0o600)
@@ -113,7 +110,7 @@ def planted_pass(tmp_path, monkeypatch, genuine_pass):
 
 def test_a_planted_pass_of_this_user_is_believed(planted_pass):
     """The control of the test below: the plant is a verdict the cache would believe, but for its owner or mode."""
-    assert all(r.ok for r in verification.verify_build_isolated(_ext("emulated-wrong"), CPU))
+    assert all(r.ok for r in verification.verify_build_isolated(stand_in("emulated-wrong"), CPU))
 
 
 @pytest.mark.parametrize("plant", ["owned-by-another-user", "world-writable", "group-writable-verdicts-folder",
@@ -130,5 +127,5 @@ def test_a_planted_pass_others_could_have_written_is_not_believed(planted_pass, 
     else:
         os.chown(planted_pass.parent, 65534, 65534)
     with pytest.raises(CompiledUnavailable, match="OUTSIDE THE ALLOWANCE"):
-        verification.verify_build_isolated(_ext("emulated-wrong"), CPU)
+        verification.verify_build_isolated(stand_in("emulated-wrong"), CPU)
     assert any("not believing the self-check verdict" in r.getMessage() for r in caplog.records)

@@ -22,7 +22,7 @@ from fastvideo_pan2_ext.vae_kernel.compiled import loader, selfcheck, verificati
 from fastvideo_pan2_ext.vae_kernel.portable import ops, weights
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG
-from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import EmulatedExtension
+from tools.emulated_extension import EmulatedExtension, stand_in
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops
 
@@ -178,12 +178,12 @@ def test_the_isolated_verification_catches_a_wrong_and_a_crashing_build_and_reme
     emulated variants standing in for builds."""
     monkeypatch.setenv("WAN22_VAE_DECODE_BUILD_DIR", str(tmp_path))
     with pytest.raises(CompiledUnavailable, match="OUTSIDE THE ALLOWANCE"):
-        loader.load_ops(CPU, arch="emulated-wrong")
+        loader.load_ops(CPU, source=stand_in("emulated-wrong"))
     with pytest.raises(CompiledUnavailable, match=r"crashed \(exit -6\)"):
-        loader.load_ops(CPU, arch="emulated-abort")
-    table = loader.load_ops(CPU, arch="emulated")
+        loader.load_ops(CPU, source=stand_in("emulated-abort"))
+    table = loader.load_ops(CPU, source=stand_in("emulated"))
     assert table.name == "compiled" and list((tmp_path / "verdicts").glob("selfcheck-*.json"))
-    results = verification.verify_build_isolated(EmulatedExtension(), CPU)  # the remembered verdict, no child
+    results = verification.verify_build_isolated(stand_in("emulated"), CPU)  # the remembered verdict, no child
     assert all(r.ok for r in results)
 
 
@@ -192,7 +192,9 @@ def test_the_verification_child_imports_this_package_whatever_its_working_direct
     decoy = tmp_path / "fastvideo_pan2_ext"  # a checkout's package folder without vae_kernel, in the cwd
     decoy.mkdir()
     (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
-    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.compiled.verification", "cpu", "emulated", "0")
+    source = stand_in("emulated")
+    argv = verification.child_command("fastvideo_pan2_ext.vae_kernel.compiled.verification", "cpu", "0",
+                                      *source.to_argv(), path=source.path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["WAN22_VAE_DECODE_BUILD_DIR"] = str(tmp_path / "cache")
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -33,7 +33,7 @@ replaced atomically after every step. Each compiled decode records the calls its
 compiled step that ran passed.
 
 `--dry-run` runs all of it on CPU at tiny sizes: the build really compiles (sm_90a, compile-only), and the compiled
-decoder is the emulated extension (`vae_kernel/compiled/emulated_extension.py`, the Winograd kernels' API too) loaded through
+decoder is the emulated extension (`tools/emulated_extension.py`, the Winograd kernels' API too) loaded through
 the same loader and child-process self-check as a built one; `--stand-in emulated-abort` makes every compiled child
 die, to prove the isolation. The dry run is single-threaded (`single_threaded_cpu`).
 """
@@ -71,11 +71,11 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG
                                                                     WanVAEConfig, diffusers_arguments)
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.compiled.emulated_extension import VARIANTS as STAND_INS  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
 from tools.bench import conv_layer_inputs, conv_speeds  # noqa: E402
+from tools.emulated_extension import VARIANTS as STAND_INS, stand_in as stand_in_source  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
 TINY = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
@@ -150,6 +150,7 @@ class Context:
         self.latent_hw = (tuple(s // self.config.spatial_scale for s in video_hw) if video_hw
                           else tuple(self.sizes["latent_hw"]))
         self.arch = stand_in if dry_run else extension.arch_for_device(self.device)
+        self.source = stand_in_source(stand_in) if dry_run else extension.built(self.arch)
         self.scratch = scratch
         self.frames_per_pass = frames_per_pass
         self._weights: dict[torch.dtype, dict] = {}
@@ -246,9 +247,9 @@ def op_table(ctx: Context, name: str) -> Ops | None:
     if name == "portable":
         return TORCH_OPS
     if name == "compiled":
-        return loader.load_ops(ctx.device, arch=ctx.arch)
+        return loader.load_ops(ctx.device, source=ctx.source)
     if name == "compiled_winograd":
-        return loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+        return loader.load_ops(ctx.device, source=ctx.source, winograd=True)
     return None
 
 
@@ -379,7 +380,7 @@ def dominant_convs(ctx: Context) -> list[tuple[str, int, int, tuple[int, int, in
 def conv_bench(ctx: Context) -> dict:
     """TFLOP/s of the compiled conv vs torch's (cuDNN) channels-last conv3d on the dominant layer shapes; the calls
     that fell back."""
-    table = loader.load_ops(ctx.device, arch=ctx.arch)
+    table = loader.load_ops(ctx.device, source=ctx.source)
     before = dict(table.fallbacks)
     h, w = ctx.latent_hw
     frames = 4
@@ -426,8 +427,8 @@ def winograd_conv_bench(ctx: Context) -> dict:
     size): time, TFLOP/s effective and actual (`bench.conv_speeds`), and the Winograd output's allowance against the
     fp32 conv. The layers where Winograd is faster and within the allowance are this GPU's suggested
     `backends.MEASURED_WINOGRAD_LAYERS` entry (what conv_algorithm "auto" then runs by Winograd)."""
-    direct = loader.load_ops(ctx.device, arch=ctx.arch)
-    winograd = loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    direct = loader.load_ops(ctx.device, source=ctx.source)
+    winograd = loader.load_ops(ctx.device, source=ctx.source, winograd=True)
     before = {"direct": dict(direct.fallbacks), "winograd": dict(winograd.fallbacks)}
     h, w = ctx.latent_hw
     rows = []
@@ -507,9 +508,9 @@ def compiled_self_check(ctx: Context, winograd: bool = False) -> dict:
     loader runs it (`verification.verify_build_isolated`: in a process of its own, a pass remembered in the build
     cache, so the steps after this one load the table without checking it again); after a failure, every case
     again, past the first failing one, for the whole diagnosis. A case that fell back to the portable op failed."""
-    ext = extension.open_extension(ctx.arch)
+    ext = ctx.source.open()
     try:
-        results = verification.verify_build_isolated(ext, ctx.device, winograd=winograd)  # returns only a pass
+        results = verification.verify_build_isolated(ctx.source, ctx.device, winograd=winograd)  # returns only a pass
         verdict = {"ok": all(r.ok for r in results)}
     except extension.CompiledUnavailable as exc:
         results = selfcheck.self_check(make_ops(ext, winograd_convs=winograd), ctx.device, keep_going=True)
@@ -542,7 +543,7 @@ def winograd_large(ctx: Context) -> dict:
     """The 1024-channel (3, 3, 3) conv at its real size (4 frames, latent x 2) by the compiled Winograd kernels: its
     GEMMs have more 128x256 tiles than the GPU has SMs (each persistent CTA takes several) and the conv runs in several
     bands of tile rows; the output against the fp32 conv."""
-    table = loader.load_ops(ctx.device, arch=ctx.arch, winograd=True)
+    table = loader.load_ops(ctx.device, source=ctx.source, winograd=True)
     before = dict(table.fallbacks)
     h, w = ctx.latent_hw
     c = 1024 if not ctx.dry_run else 16
@@ -581,7 +582,7 @@ def subpixel_large(ctx: Context) -> dict:
     """The 512-channel sub-pixel conv (nearest 2x upsample + 3x3) on 20 frames at its real size: its 4-phase
     intermediate and its output have more than 2^31 elements (int64 indexing). Judged on the first and the last two
     frames (each frame is independent) against the fp32 definition."""
-    table = loader.load_ops(ctx.device, arch=ctx.arch)
+    table = loader.load_ops(ctx.device, source=ctx.source)
     before = dict(table.fallbacks)
     c, frames, rows, cols = ctx.sizes["big_subpixel"]
     g = torch.Generator(ctx.device).manual_seed(5)
@@ -610,7 +611,7 @@ def two_weight_sets(ctx: Context) -> dict:
     first model's weights freed before the second's are made (the allocator then reuses their addresses, where a
     cache keyed by address would hand the second model the first one's tensors), then the first again: each video
     against its own release bf16 decode, at T = 2."""
-    table = loader.load_ops(ctx.device, arch=ctx.arch)
+    table = loader.load_ops(ctx.device, source=ctx.source)
     before = dict(table.fallbacks)
     t = 2
     z = ctx.latents(t)

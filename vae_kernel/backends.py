@@ -35,7 +35,7 @@ def select_ops(backend, device: torch.device, conv_algorithm: str = "auto") -> O
 
     "torch": the portable table. "cuda": `loader.load_ops(device)` or a RuntimeError saying why not.
     "auto": the compiled table where it loads (built and self-checked for this device), else the portable one.
-    An `ops.Ops` table is used as given (a table loaded some other way, e.g. `loader.load_ops(device, arch=...)`).
+    An `ops.Ops` table is used as given (a table loaded some other way, e.g. `loader.load_ops(device, source=...)`).
     conv_algorithm "winograd" (or "auto" where the GPU check measured Winograd faster) on the compiled backend uses
     the Winograd kernels once they pass the self-check; if they fail it, the direct kernels run, with a warning.
     """

@@ -5,6 +5,7 @@ content-keyed cache). Nothing here runs a kernel.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -14,8 +15,6 @@ import torch
 from fastvideo_pan2_ext.version import __version__
 
 from . import build
-from .emulated_extension import VARIANTS as EMULATED_VARIANTS
-from .emulated_extension import EmulatedExtension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("binding.cpp", "conv3d_cutlass.cu", "rms_norm_silu.cu", "upsample_subpixel.cu", "winograd.cu")
@@ -117,12 +116,32 @@ def arch_for_device(device: torch.device) -> str:
                               f"(built for {sorted(a.capability for a in ARCHS.values())})")
 
 
-def open_extension(arch: str, root: str | os.PathLike | None = None, timeout_s: float | None = None):
-    """The extension for `arch`: built (or loaded from the cache), or, for a pseudo-architecture of
-    `emulated_extension.VARIANTS`, the emulated one (CPU rehearsals of everything above the kernels)."""
-    if arch in EMULATED_VARIANTS:
-        return EmulatedExtension(arch, **EMULATED_VARIANTS[arch])
-    return build_extension(arch, root, timeout_s)
+@dataclasses.dataclass(frozen=True)
+class ExtensionSource:
+    """Where an extension comes from, in a form another process can open again (the self-check runs in a child):
+    `function(*args)` of module `module`, importable with `path` (if any) first on the child's path. The built
+    extension's is `built(arch)`; tests and CPU rehearsals hand the loader a stand-in's."""
+
+    module: str
+    function: str
+    args: tuple[str, ...] = ()
+    path: str | None = None
+
+    def open(self):
+        return getattr(importlib.import_module(self.module), self.function)(*self.args)
+
+    def to_argv(self) -> list[str]:
+        return [self.path or "", self.module, self.function, *self.args]
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> "ExtensionSource":
+        path, module, function, *args = argv
+        return cls(module, function, tuple(args), path or None)
+
+
+def built(arch: str) -> ExtensionSource:
+    """The source of the extension built for `arch` (from the build cache)."""
+    return ExtensionSource(__name__, "build_extension", (arch,))
 
 
 def build_extension(arch: str, root: str | os.PathLike | None = None, timeout_s: float | None = None):

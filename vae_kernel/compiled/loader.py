@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .extension import CompiledUnavailable, arch_for_device, open_extension
+from .extension import CompiledUnavailable, ExtensionSource, arch_for_device, built
 from .kernels import make_ops
 from ..portable.ops import Ops
 from .verification import verify_build_isolated, verify_ops
@@ -29,25 +29,25 @@ _lock = threading.Lock()
 _loaded: dict[tuple, Ops | CompiledUnavailable] = {}  # (device, factory) -> op table or the reason it is unusable
 
 
-def _built_ops(device: torch.device, arch: str, winograd: bool | frozenset) -> Ops:
-    ext = open_extension(arch)
-    verify_build_isolated(ext, device, winograd=bool(winograd))
+def _built_ops(device: torch.device, source: ExtensionSource, winograd: bool | frozenset) -> Ops:
+    ext = source.open()
+    verify_build_isolated(source, device, winograd=bool(winograd))
     if isinstance(winograd, frozenset):  # the measured layers only (every layer was verified)
         return make_ops(ext, winograd_convs=True, keep_direct=lambda co, ci, kt: (co, ci, kt) not in winograd)
     return make_ops(ext, winograd_convs=winograd)
 
 
-def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = None, winograd: bool | frozenset = False,
-             factory: Callable[[torch.device], Ops] | None = None) -> Ops:
+def load_ops(device: torch.device | str | int = "cuda", *, source: ExtensionSource | None = None,
+             winograd: bool | frozenset = False, factory: Callable[[torch.device], Ops] | None = None) -> Ops:
     """The compiled op table for `device`, verified (see the module notes).
 
-    `arch`: the extension to open instead of the device's own (`extension.open_extension`; e.g. "emulated" for a CPU
-    rehearsal of this whole path, child-process self-check included). `winograd`: the (kt, 3, 3) convs by the
+    `source`: the extension to open instead of the one built for the device (`extension.built(arch)`), e.g. a
+    stand-in for a CPU rehearsal of this whole path, child-process self-check included. `winograd`: the (kt, 3, 3) convs by the
     Winograd kernels (True: every such layer; a frozenset of (Co, Ci, kt): those layers), verified with every layer
     by Winograd. `factory(device) -> Ops` replaces the build altogether: the table is then self-checked in this
     process with the same cases and judgement, and remembered the same way."""
     device = torch.device(device)
-    if factory is None and arch is None:
+    if factory is None and source is None:
         if device.type != "cuda":
             raise CompiledUnavailable(f"the compiled backend needs a CUDA device; got {device}")
         if not torch.cuda.is_available():
@@ -55,7 +55,7 @@ def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = No
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
-        key = (str(device), arch, winograd, factory)
+        key = (str(device), source, winograd, factory)
         cached = _loaded.get(key)
         if isinstance(cached, CompiledUnavailable):
             raise cached
@@ -64,7 +64,7 @@ def load_ops(device: torch.device | str | int = "cuda", *, arch: str | None = No
         try:
             if factory is None:
                 with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    table = _built_ops(device, arch or arch_for_device(device), winograd)
+                    table = _built_ops(device, source or built(arch_for_device(device)), winograd)
             else:
                 table = factory(device)
                 verify_ops(table, device)

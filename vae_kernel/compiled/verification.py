@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import build
-from .extension import CompiledUnavailable, open_extension
+from .extension import CompiledUnavailable, ExtensionSource
 from .kernels import make_ops
 from ..portable.ops import Ops
 from .selfcheck import CaseResult, self_check
@@ -43,9 +43,11 @@ def package_root() -> str:
     return str(Path(sys.modules[__name__.partition(".")[0]].__file__).parent.parent)
 
 
-def child_command(module: str, *args: str) -> list[str]:
-    """`python -c` running `module.child_main(args)` with this package first on the path (not the cwd's copy)."""
-    code = (f"import sys; sys.path.insert(0, {package_root()!r}); "
+def child_command(module: str, *args: str, path: str | None = None) -> list[str]:
+    """`python -c` running `module.child_main(args)` with this package first on the path (not the cwd's copy), and
+    `path` after it."""
+    paths = [package_root(), *([path] if path else [])]
+    code = (f"import sys; sys.path[0:0] = {paths!r}; "
             f"from {module} import child_main; child_main(sys.argv[1:])")
     return [sys.executable, "-c", code, *args]
 
@@ -134,11 +136,13 @@ def _remember(path: Path, results: list[CaseResult], failure: str) -> None:
         logger.warning("the self-check verdict is not remembered (%s)", exc)
 
 
-def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
+def verify_build_isolated(source: ExtensionSource, device: torch.device, winograd: bool = False,
                           timeout_s: float = SELF_CHECK_TIMEOUT_S) -> list[CaseResult]:
-    """Self-check the built extension's op table on `device` in a child process (see the module notes), with its
-    (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises CompiledUnavailable.
-    A remembered verdict answers without the child: a pass returns its cases, a failure is raised again."""
+    """Self-check the op table of the extension from `source` on `device` in a child process that opens it again (see
+    the module notes), with its (kt, 3, 3) convs by the Winograd kernels if `winograd`; returns the results or raises
+    CompiledUnavailable. A remembered verdict answers without the child: a pass returns its cases, a failure is
+    raised again."""
+    ext = source.open()  # built: from the cache (the module this process imported, if it did)
     what = f"compiled kernels ({ext.arch()}{' + Winograd F(2x2)' if winograd else ''})"
     path = verdict_path(ext, device, winograd)
     remembered = _read_verdict(path)
@@ -149,7 +153,7 @@ def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
         return list(remembered.results)
     results: list[CaseResult] = []
     try:
-        results = _check_in_child(ext, device, winograd, timeout_s, what)
+        results = _check_in_child(source, device, winograd, timeout_s, what)
         judge(results, what, device)
     except CompiledUnavailable as exc:
         _remember(path, results, str(exc))
@@ -158,9 +162,11 @@ def verify_build_isolated(ext, device: torch.device, winograd: bool = False,
     return results
 
 
-def _check_in_child(ext, device: torch.device, winograd: bool, timeout_s: float, what: str) -> list[CaseResult]:
+def _check_in_child(source: ExtensionSource, device: torch.device, winograd: bool, timeout_s: float,
+                    what: str) -> list[CaseResult]:
     try:
-        done = subprocess.run(child_command(__name__, str(device), ext.arch(), str(int(winograd))),
+        done = subprocess.run(child_command(__name__, str(device), str(int(winograd)), *source.to_argv(),
+                                            path=source.path),
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise CompiledUnavailable(f"the self-check of the {what} on {device} did not finish in "
@@ -173,12 +179,13 @@ def _check_in_child(ext, device: torch.device, winograd: bool, timeout_s: float,
 
 
 def child_main(argv: list[str]) -> None:
-    """In the child: open the extension for argv[1] (built: from the cache), self-check its op table (Winograd convs
-    if argv[2] is "1") on device argv[0], print the results."""
+    """In the child: open the extension from the source in argv[2:] (`ExtensionSource.to_argv`; built: from the
+    cache), self-check its op table (Winograd convs if argv[1] is "1") on device argv[0], print the results."""
     device = torch.device(argv[0])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    results = self_check(make_ops(open_extension(argv[1]), winograd_convs=argv[2] == "1"), device)
+    ext = ExtensionSource.from_argv(argv[2:]).open()
+    results = self_check(make_ops(ext, winograd_convs=argv[1] == "1"), device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     print(_RESULT_TAG + json.dumps([r.to_json() for r in results]), flush=True)

@@ -1,5 +1,7 @@
-"""The compiled extension's Python API (csrc/binding.cpp) implemented with torch on any device: the stand-in for the
-GPU where there is none (CPU rehearsals of the GPU check, tests of the op-table adaptor, the self-check and the loader).
+"""The compiled extension's Python API (vae_kernel/compiled/csrc/binding.cpp) implemented with torch on any device: the
+stand-in for the GPU where there is none (CPU rehearsals of the GPU check, tests of the op-table adaptor, the
+self-check and the loader). Not part of the package: tests and the GPU check's dry run hand it to the loader
+(`stand_in(variant)`, an `ExtensionSource` that the self-check child opens again).
 
 Same functions, argument order, checks that matter to the caller (contiguity, channel multiples of 8, the 16-byte
 alignment of every tensor and of its strides, explicit per-side padding, strided destinations) and rounding points (fp32 accumulation, one rounding to bf16 on store). It can
@@ -11,15 +13,29 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..portable import winograd
+from fastvideo_pan2_ext.vae_kernel.compiled.extension import ExtensionSource
+from fastvideo_pan2_ext.vae_kernel.portable import winograd
 
-# Pseudo-architectures that `extension.open_extension` answers with an emulated extension (CPU rehearsals): a correct
-# one, one outside the allowance, one whose first kernel call kills its process.
+REPO = Path(__file__).resolve().parents[1]  # where `tools` imports from
+
+# The stand-ins: a correct one, one outside the allowance, one whose first kernel call kills its process.
 VARIANTS = {"emulated": {}, "emulated-wrong": {"conv_error": 0.05}, "emulated-abort": {"abort": True}}
+
+
+def open_variant(variant: str) -> "EmulatedExtension":
+    return EmulatedExtension(variant, **VARIANTS[variant])
+
+
+def stand_in(variant: str = "emulated") -> ExtensionSource:
+    """The source of the stand-in `variant` (`VARIANTS`), to hand to `loader.load_ops(device, source=...)`."""
+    if variant not in VARIANTS:
+        raise ValueError(f"no stand-in {variant!r}; choose one of {sorted(VARIANTS)}")
+    return ExtensionSource(__name__, open_variant.__name__, (variant,), str(REPO))
 
 
 def _check_aligned(**tensors: torch.Tensor | None) -> None:
