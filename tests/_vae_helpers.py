@@ -3,8 +3,8 @@
 The Wan2.2 layout (`is_residual=True`, `patch_size=2`, 12 in/out channels) at narrow widths: the real model has
 `base_dim 160, decoder_base_dim 256, z_dim 48`; these default to 8 / 8 / 8, which decodes in well under a second.
 The Wan2.1 layout (`is_residual=False`, no patchify, 3 channels; real `base_dim 96, z_dim 16`) likewise at 8 / 8.
-Every parameter is overwritten with seeded noise so that no layer is an identity or a zero: convs get randn scaled by
-1/sqrt(fan_in) (activations stay O(1) through the whole decoder), biases 0.1 x randn, RMS-norm gammas 1 + 0.1 x randn.
+Every parameter is overwritten with seeded noise so that no layer is an identity or a zero, by the seeded-weight
+rule (`selfcheck.seeded_parameter`: convs randn / sqrt(fan_in), biases 0.1 randn, RMS-norm gammas 1 + 0.1 randn).
 
 Import it from a test module as `from _vae_helpers import make_wan22_vae` (pytest puts `tests/` on `sys.path`), or
 use the fixtures in `conftest.py`.
@@ -16,21 +16,16 @@ import math
 
 import torch
 
+from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, seeded_parameter
+
 
 def randomize_parameters_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Overwrite every parameter of `module` in place with seeded noise of a sensible scale (see module docstring)."""
+    """Overwrite every parameter of `module` in place with seeded noise by the seeded-weight rule
+    (`selfcheck.seeded_parameter`)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if name.endswith("gamma"):
-                value = 1.0 + 0.1 * noise
-            elif name.endswith("bias"):
-                value = 0.1 * noise
-            else:  # conv weights: [out, in, *kernel]
-                fan_in = math.prod(param.shape[1:])
-                value = noise / math.sqrt(fan_in)
-            param.copy_(value.to(param.dtype))
+            param.copy_(seeded_parameter(name, param.shape, generator).to(param.dtype))
     return module
 
 
@@ -68,18 +63,12 @@ def make_wan21_vae(seed: int = 0, base_dim: int = 8, z_dim: int = 8):
 
 def random_wan22_decoder_weights(seed: int = 0, z_dim: int = 8, decoder_base_dim: int = 8) -> dict:
     """The decoder half of a narrow Wan2.2-layout VAE as a state dict, seeded random, without diffusers (for machines
-    that have only torch). Same scales as `randomize_parameters_`, not the same numbers as `make_wan22_vae`."""
-    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, expected_shapes
+    that have only torch): `selfcheck.random_weights`, not the same numbers as `make_wan22_vae`."""
+    import dataclasses
 
-    config = WanVAEConfig(z_dim=z_dim, decoder_base_dim=decoder_base_dim, dim_mult=(1, 2, 4, 4),
-                                    num_res_blocks=2, temperal_upsample=(True, True, False), out_channels=12,
-                                    patch_size=2)
-    module = torch.nn.Module()
-    for i, (name, shape) in enumerate(expected_shapes(config).items()):
-        module.register_parameter(f"p{i}_{name.replace('.', '_')}", torch.nn.Parameter(torch.empty(shape)))
-    randomize_parameters_(module, seed)
-    return {name: param.detach() for name, param in
-            zip(expected_shapes(config), module.parameters())}
+    from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG
+
+    return random_weights(dataclasses.replace(WAN22_CONFIG, z_dim=z_dim, decoder_base_dim=decoder_base_dim), seed)
 
 
 def random_latents(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

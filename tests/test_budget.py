@@ -9,11 +9,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, WanVAEConfig
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, narrow
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import DECODE_CHECK_CONFIG, random_weights
 from tools import budget
 
-NARROW_WAN21 = WanVAEConfig(**{**WAN21_CONFIG.__dict__, "decoder_base_dim": 8})
+NARROW_WAN21 = narrow(WAN21_CONFIG, 8)
 
 
 @pytest.mark.parametrize("config", [DECODE_CHECK_CONFIG, NARROW_WAN21], ids=["wan22", "wan21"])

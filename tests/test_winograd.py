@@ -11,7 +11,8 @@ import torch
 from _vae_helpers import winograd_out, winograd_problem
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, narrow
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, reference_conv3d
@@ -95,8 +96,7 @@ def test_listed_layer_shapes_stay_direct(keep_direct):
 def test_whole_narrow_decode_through_f2_meets_the_allowance():
     """The real decoder with the F(2x2) table on a narrow Wan2.2-layout model (odd latent sizes, two passes): video
     vs `reference.decode` fp32, baseline the release bf16 decode."""
-    config = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
-                          temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+    config = narrow(WAN22_CONFIG, 8, z_dim=8)
     state_dict = random_weights(config, seed=0)
     z = torch.randn(1, 8, 3, 5, 7, generator=torch.Generator().manual_seed(7))
     decoder = WanVAEDecoder(state_dict, device="cpu", local=True, backend="torch", frames_per_pass=2)

@@ -26,7 +26,8 @@ import torch
 from _vae_helpers import winograd_out, winograd_problem
 
 from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.vae_kernel import WanVAEConfig, WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, narrow
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension
 from fastvideo_pan2_ext.vae_kernel.portable import winograd
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
@@ -165,8 +166,7 @@ def test_a_narrow_decode_through_the_kernel_path_equals_the_portable_winograd_de
     GEMM is wider (12 channels computed as 16). Equality thus rests on what the decoder's own frames_per_pass,
     tile and rank equalities rest on (docs/design.md, "Definitions"): a BLAS/oneDNN call's per-element sums do not
     depend on the extents of the dimensions it does not reduce over."""
-    config = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
-                          temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
+    config = narrow(WAN22_CONFIG, 8, z_dim=8)
     state_dict = random_weights(config, seed=0)
     z = torch.randn(1, 8, 3, 5, 7, generator=torch.Generator().manual_seed(7))
     kernel_table = make_ops(EmulatedExtension(), winograd_convs=True)

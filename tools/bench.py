@@ -52,7 +52,8 @@ if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's 
 from tools.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, diffusers_arguments  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG,  # noqa: E402
+                                                                    WanVAEConfig, diffusers_arguments, narrow)
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
@@ -74,23 +75,23 @@ WORKLOADS = {
     w.name: w
     for w in [
         Workload("cpu-narrow",
-                 WanVAEConfig(16, 16, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (6, 10), (2, 3, 5), 16),
+                 narrow(WAN22_CONFIG, 16, z_dim=16), (6, 10), (2, 3, 5), 16),
         Workload("cpu-tiny",
-                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (3, 4), (1, 2, 5), 8),
+                 narrow(WAN22_CONFIG, 8, z_dim=8), (3, 4), (1, 2, 5), 8),
         Workload("cpu-tiles",  # a taller frame, for the tiled decode's memory-versus-tile table
-                 WanVAEConfig(16, 32, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (32, 48), (2,), 32),
+                 narrow(WAN22_CONFIG, 32, z_dim=16), (32, 48), (2,), 32),
         Workload("cpu-stream",  # a long clip of real-size frames, narrow widths: decode versus decode_iter memory
-                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (5, 9), 8),
+                 narrow(WAN22_CONFIG, 8, z_dim=8), (44, 78), (5, 9), 8),
         Workload("cpu-wan21-narrow",  # the Wan2.1 layout at cpu-narrow's widths and video size (8x: twice the latents)
-                 WanVAEConfig(16, 16, (1, 2, 4, 4), 2, (True, True, False), 3, 1, residual=False), (12, 20), (2, 3, 5),
+                 narrow(WAN21_CONFIG, 16), (12, 20), (2, 3, 5),
                  16),
         Workload("cpu-wan21-tiny",
-                 WanVAEConfig(8, 8, (1, 2, 4, 4), 2, (True, True, False), 3, 1, residual=False), (6, 8), (1, 2, 5), 8),
+                 narrow(WAN21_CONFIG, 8, z_dim=8), (6, 8), (1, 2, 5), 8),
         Workload("cpu-real-width",  # the real decoder's widths on a small frame: 3 latent frames -> 9 frames of 64x96
-                 WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (4, 6), (3,), 160,
+                 WAN22_CONFIG, (4, 6), (3,), 160,
                  versus_fp32=True),
         Workload("gpu-real",
-                 WanVAEConfig(48, 256, (1, 2, 4, 4), 2, (True, True, False), 12, 2), (44, 78), (2, 31, 49, 121), 160),
+                 WAN22_CONFIG, (44, 78), (2, 31, 49, 121), 160),
     ]
 }
 
@@ -195,15 +196,9 @@ def measure(fn, device: torch.device, repeats: int, warmup: int) -> tuple[torch.
 
 
 def audit(video: torch.Tensor, ref32: torch.Tensor, release: torch.Tensor) -> dict:
-    """The allowance (`vae_kernel.allowance`) against the fp32 reference, the release decode's error the yardstick."""
-    r = compare_to_reference("video", video.cpu(), ref32.cpu(), release.cpu(), unit_range=True)
-    return {
-        "max_d": r.max_err, "rms_d": r.rms_err, "release_max_d": r.baseline_max_err, "release_rms_d": r.baseline_rms_err,
-        "max_ratio": r.max_err / r.baseline_max_err if r.baseline_max_err else math.inf,
-        "rms_ratio": r.rms_err / r.baseline_rms_err if r.baseline_rms_err else math.inf,
-        "psnr_db": r.psnr_db, "release_psnr_db": r.baseline_psnr_db,
-        "finite_in_range": r.finite and r.in_range, "within_allowance": r.ok,
-    }
+    """The allowance (`definitions.allowance`) against the fp32 reference, the release decode's error the
+    yardstick: `AllowanceReport.figures()`, as every result file's audit."""
+    return compare_to_reference("video", video.cpu(), ref32.cpu(), release.cpu(), unit_range=True).figures()
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import resource
 import statistics
@@ -51,17 +50,17 @@ UNTILED = {"diffusers fp32, enable_tiling()": "diffusers fp32", "diffusers bf16,
 
 
 def make_vae(base_dim: int, seed: int = 0):
-    """A Wan2.1-layout AutoencoderKLWan, every parameter seeded noise of a sensible scale (convs 1/sqrt(fan_in),
-    biases 0.1 randn, RMS gammas 1 + 0.1 randn)."""
+    """A Wan2.1-layout AutoencoderKLWan, every parameter seeded noise by the seeded-weight rule
+    (`selfcheck.seeded_parameter`)."""
     from diffusers import AutoencoderKLWan
+
+    from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import seeded_parameter
 
     vae = AutoencoderKLWan(base_dim=base_dim, z_dim=16)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in vae.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.1 * noise if name.endswith("gamma") else 0.1 * noise if name.endswith("bias")
-                    else noise / math.sqrt(math.prod(p.shape[1:])))
+            p.copy_(seeded_parameter(name, p.shape, generator))
     return vae.eval().requires_grad_(False)
 
 

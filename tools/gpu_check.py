@@ -68,22 +68,18 @@ from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG,  # noqa: E402
-                                                                    WanVAEConfig, diffusers_arguments)
+                                                                    WanVAEConfig, diffusers_arguments, narrow)
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
-from tools.bench import conv_layer_inputs, conv_speeds  # noqa: E402
+from tools.bench import conv_layer_inputs, conv_speeds, measure  # noqa: E402
 from tools.emulated_extension import VARIANTS as STAND_INS, stand_in as stand_in_source  # noqa: E402
 from tools.winograd_error import conv_layers  # noqa: E402
 
-TINY = WanVAEConfig(z_dim=8, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
-                    temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
-TINY_WAN21 = WanVAEConfig(z_dim=16, decoder_base_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
-                          temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
 # layout -> (the real decoder, the dry run's narrow one)
-CONFIGS = {"wan22": (WAN22_CONFIG, TINY), "wan21": (WAN21_CONFIG, TINY_WAN21)}
+CONFIGS = {"wan22": (WAN22_CONFIG, narrow(WAN22_CONFIG, 8, z_dim=8)), "wan21": (WAN21_CONFIG, narrow(WAN21_CONFIG, 8))}
 # (latent rows, cols); correctness T (whole fp32 oracle); timing T (the largest is part 1's, audited on its first
 # `oracle_frames` latent frames); memory T and frames_per_pass; the Wan2.1 VAE's video sizes and T (21: 81 frames);
 # the coverage step's sub-pixel conv (channels, frames, rows, cols of its input: 20 frames of the 512-channel one at
@@ -311,7 +307,7 @@ def timing(ctx: Context, names, t: int) -> dict:
                 with measured(ctx, record):
                     video = run(ctx.latents(t))
                 runs.append(record)
-        entry |= {"median_seconds": statistics.median(r["seconds"] for r in runs), "runs": runs, "plan": plan}
+        entry |= {"median_s": statistics.median(r["seconds"] for r in runs), "runs": runs, "plan": plan}
         if (table := op_table(ctx, name)) is not None:
             entry["conv_algorithms"] = layer_algorithms(table, ctx.config)
         if oracle_path(ctx, t).exists():
@@ -461,22 +457,8 @@ def winograd_conv_allowance(table: Ops, x: torch.Tensor, w: torch.Tensor, b: tor
 
 
 def time_fn(ctx: Context, fn, repeats: int = 5) -> float:
-    """Median seconds of `fn` (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if ctx.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `fn` after a warm-up (`bench.measure`: CUDA events on a GPU)."""
+    return measure(fn, ctx.device, repeats, warmup=1)[1]["median_s"]
 
 
 # --------------------------------------------------------------------------------------------------- the oracle
@@ -706,10 +688,10 @@ def run_child(args, kind: str, limit: float, payload: dict) -> dict:
         stdout, stderr = proc.communicate()
         return {"error": f"timed out: killed at its hard limit of {limit:.0f} s", "timed_out": True,
                 "stderr": stderr[-3000:]}
-    lines = [line for line in stdout.splitlines() if line.startswith(TAG)]
-    if proc.returncode != 0 or not lines:
+    answer = verification.last_tagged(TAG, stdout)
+    if proc.returncode != 0 or answer is None:
         return {"error": f"child exited with {proc.returncode}", "stderr": stderr[-4000:]}
-    return json.loads(lines[-1][len(TAG):])
+    return answer
 
 
 def child_main(args) -> int:
@@ -720,7 +702,7 @@ def child_main(args) -> int:
         result = CHILD_STEPS[args.child](ctx, payload)
     except Exception as exc:  # the step's error, with its message, in the report
         result = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
-    print(TAG + json.dumps(result, default=str), flush=True)
+    print(verification.tagged_line(TAG, result), flush=True)
     return 0
 
 
@@ -731,11 +713,12 @@ def build_step(ctx: Context, root: Path, timeout: float) -> dict:
     """Cold build (or the cached one: part 2 on the machine that ran part 1) then warm load, each in a fresh process
     (as a user's first and second run), within `timeout` together."""
     end = time.monotonic() + timeout - 5
-    script = ("import json, sys, time; t = time.monotonic(); "
+    script = ("import sys, time; t = time.monotonic(); "
               f"sys.path.insert(0, {str(REPO)!r}); "
-              "from fastvideo_pan2_ext.vae_kernel.compiled import extension; "
+              "from fastvideo_pan2_ext.vae_kernel.compiled import extension, verification; "
               "ext = extension.build_extension(sys.argv[1], root=sys.argv[2]); "
-              "print(json.dumps({'seconds': time.monotonic() - t, 'file': ext.__file__, 'arch': ext.arch()}))")
+              f"print(verification.tagged_line({TAG!r}, "
+              "{'seconds': time.monotonic() - t, 'file': ext.__file__, 'arch': ext.arch()}))")
     arch = "sm_90a" if ctx.dry_run else ctx.arch
     spec = extension.extension_spec(arch)
     result = {"arch": arch, "root": str(root), "key": build.extension_key(spec)}
@@ -746,7 +729,9 @@ def build_step(ctx: Context, root: Path, timeout: float) -> dict:
                               timeout=max(end - time.monotonic(), 1))
         if done.returncode != 0:
             return result | {"error": f"{phase} build failed:\n{done.stderr[-4000:]}"}
-        info = json.loads(done.stdout.strip().splitlines()[-1])
+        info = verification.last_tagged(TAG, done.stdout)
+        if info is None:
+            return result | {"error": f"{phase} build printed no result:\n{done.stderr[-4000:]}"}
         result[f"{phase}_seconds"] = round(info["seconds"], 2)
         result["file"] = info["file"]
     result["ptxas"] = ptxas_resources((entry / build.BUILD_LOG).read_text(errors="replace"))
@@ -985,14 +970,14 @@ def timing_summary(base: dict, compiled_step: dict, label: str) -> dict:
     out = {}
     compiled = compiled_step.get("compiled", {})
     for name in ("release_bf16", "diffusers_bf16", "portable"):
-        if "median_seconds" in base.get(name, {}):
-            out[f"{label} {name} s"] = base[name]["median_seconds"]
-    if "median_seconds" in compiled:
-        out[f"{label} compiled s"] = compiled["median_seconds"]
-        anchor = base.get("diffusers_bf16", base.get("release_bf16", {})).get("median_seconds")
+        if "median_s" in base.get(name, {}):
+            out[f"{label} {name} s"] = base[name]["median_s"]
+    if "median_s" in compiled:
+        out[f"{label} compiled s"] = compiled["median_s"]
+        anchor = base.get("diffusers_bf16", base.get("release_bf16", {})).get("median_s")
         if anchor:
             out[f"{label} compiled speedup vs {'diffusers' if 'diffusers_bf16' in base else 'release'}"] = \
-                round(anchor / compiled["median_seconds"], 2)
+                round(anchor / compiled["median_s"], 2)
     return out
 
 
@@ -1002,11 +987,11 @@ def winograd_summary(data: dict, big: int) -> dict:
     out = {"winograd_self_check_ok": data.get("compiled_winograd_self_check", {}).get("ok", False)}
     winograd = data.get(f"compiled_winograd_timing:T={big}", {}).get("compiled_winograd", {})
     direct = data.get(f"compiled_timing:T={big}", {}).get("compiled", {})
-    if "median_seconds" in winograd:
-        out[f"T={big} compiled_winograd s"] = winograd["median_seconds"]
+    if "median_s" in winograd:
+        out[f"T={big} compiled_winograd s"] = winograd["median_s"]
         out[f"T={big} winograd within the allowance"] = winograd.get("allowance", {}).get("ok", False)
-        if "median_seconds" in direct:
-            out[f"T={big} winograd speedup vs direct"] = round(direct["median_seconds"] / winograd["median_seconds"],
+        if "median_s" in direct:
+            out[f"T={big} winograd speedup vs direct"] = round(direct["median_s"] / winograd["median_s"],
                                                                2)
     if "suggested_measured_winograd_layers" in data.get("winograd_conv_bench", {}):
         out["suggested_measured_winograd_layers"] = data["winograd_conv_bench"]["suggested_measured_winograd_layers"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import warnings
 from typing import Callable
 
 import torch

@@ -72,16 +72,19 @@ def random_weights(config: WanVAEConfig, seed: int = 0, scale: float = 1.0,
     model's initialisation: convs randn / sqrt(fan_in) (times `scale`, to stress the arithmetic), biases 0.1 randn,
     RMS gammas 1 + 0.1 randn. Drawn on `device` (the same seed gives the same weights on the same kind of device)."""
     g = torch.Generator(device).manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(config).items():
-        noise = torch.randn(shape, generator=g, device=device)
-        if name.endswith("gamma"):
-            out[name] = 1.0 + 0.1 * noise
-        elif name.endswith("bias"):
-            out[name] = 0.1 * noise
-        else:
-            out[name] = noise * (scale / math.prod(shape[1:]) ** 0.5)
-    return out
+    return {name: seeded_parameter(name, shape, g, scale) for name, shape in expected_shapes(config).items()}
+
+
+def seeded_parameter(name: str, shape, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """The seeded-weight rule (the self-check's weights, and every test's and benchmark's random-weight model): fp32
+    noise from `generator` (on its device) scaled by what the parameter `name` is: an RMS gamma 1 + 0.1 randn, a bias
+    0.1 randn, a conv weight [out, in, *kernel] randn / sqrt(fan_in) times `scale` (activations stay O(1))."""
+    noise = torch.randn(tuple(shape), generator=generator, device=generator.device)
+    if name.endswith("gamma"):
+        return 1.0 + 0.1 * noise
+    if name.endswith("bias"):
+        return 0.1 * noise
+    return noise * (scale / math.prod(shape[1:]) ** 0.5)
 
 
 # --------------------------------------------------------------------------------------------------- the cases

@@ -52,6 +52,17 @@ def child_command(module: str, *args: str, path: str | None = None) -> list[str]
     return [sys.executable, "-c", code, *args]
 
 
+def tagged_line(tag: str, value) -> str:
+    """A child process's answer: one stdout line, `tag` then the JSON of `value` (it may log anything around it)."""
+    return tag + json.dumps(value, default=str)
+
+
+def last_tagged(tag: str, stdout: str):
+    """The value of the last `tagged_line(tag, ...)` in a child's stdout; None if it printed none."""
+    lines = [line for line in stdout.splitlines() if line.startswith(tag)]
+    return json.loads(lines[-1][len(tag):]) if lines else None
+
+
 def judge(results: list[CaseResult], what: str, device) -> None:
     """Raise CompiledUnavailable unless every case is within the allowance (the message lists every case); warn
     about calls that ran on the portable op."""
@@ -171,11 +182,11 @@ def _check_in_child(source: ExtensionSource, device: torch.device, winograd: boo
     except subprocess.TimeoutExpired as exc:
         raise CompiledUnavailable(f"the self-check of the {what} on {device} did not finish in "
                                   f"{timeout_s:.0f} s") from exc
-    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_TAG)]
-    if done.returncode != 0 or not lines:
+    answer = last_tagged(_RESULT_TAG, done.stdout)
+    if done.returncode != 0 or answer is None:
         raise CompiledUnavailable(f"the self-check of the {what} on {device} crashed "
                                   f"(exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return [CaseResult.from_json(r) for r in json.loads(lines[-1][len(_RESULT_TAG):])]
+    return [CaseResult.from_json(r) for r in answer]
 
 
 def child_main(argv: list[str]) -> None:
@@ -188,7 +199,7 @@ def child_main(argv: list[str]) -> None:
     results = self_check(make_ops(ext, winograd_convs=argv[1] == "1"), device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    print(_RESULT_TAG + json.dumps([r.to_json() for r in results]), flush=True)
+    print(tagged_line(_RESULT_TAG, [r.to_json() for r in results]), flush=True)
 
 
 def driver_version() -> str:

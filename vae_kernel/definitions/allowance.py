@@ -49,9 +49,12 @@ class AllowanceReport:
         return psnr_db(self.baseline_rms_err)
 
     def figures(self) -> dict:
-        """The report as JSON-able numbers (for result files)."""
+        """The report as JSON-able numbers (every result file's audit): the fields, the verdict, PSNRs, and each error
+        as a multiple of the baseline's (at most ALLOWANCE where `ok`)."""
         return {**dataclasses.asdict(self), "ok": self.ok, "psnr_db": self.psnr_db,
-                "baseline_psnr_db": self.baseline_psnr_db}
+                "baseline_psnr_db": self.baseline_psnr_db,
+                "max_ratio": self.max_err / self.baseline_max_err if self.baseline_max_err else math.inf,
+                "rms_ratio": self.rms_err / self.baseline_rms_err if self.baseline_rms_err else math.inf}
 
     def __str__(self) -> str:
         return (f"{self.name}: max|d| {self.max_err:.3g} (allowed {ALLOWANCE * self.baseline_max_err:.3g}), "

@@ -10,6 +10,7 @@ The decoder is read from the weights, so narrow random-weight models of the real
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,12 @@ WAN22_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=256, dim_mult=(1, 2, 4, 4
 # The Wan2.1 VAE's decoder (diffusers' `AutoencoderKLWan()` defaults): 8x spatial, 4x temporal, plain RGB out.
 WAN21_CONFIG = WanVAEConfig(z_dim=16, decoder_base_dim=96, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                             temperal_upsample=(True, True, False), out_channels=3, patch_size=1, residual=False)
+
+
+def narrow(layout: "WanVAEConfig", decoder_base_dim: int, z_dim: int | None = None) -> "WanVAEConfig":
+    """A decoder of `layout`'s architecture (WAN22_CONFIG, WAN21_CONFIG) at another width: what tests, CPU rehearsals
+    and benchmarks decode where the real widths would take too long."""
+    return dataclasses.replace(layout, decoder_base_dim=decoder_base_dim, z_dim=layout.z_dim if z_dim is None else z_dim)
 
 
 def diffusers_arguments(c: WanVAEConfig, encoder_base_dim: int | None = None) -> dict:
