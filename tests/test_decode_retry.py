@@ -12,14 +12,11 @@ conv the portable ops call.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import outcome, run_ranks
 from _vae_helpers import random_latents
 
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder
@@ -225,13 +222,6 @@ GROUP_TIMEOUT_S = 60
 HANG_LIMIT_S = 300
 
 
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return (type(exc).__name__, str(exc))
-
-
 def _restarting(decoder, z):
     """A decode_iter consumer that starts again on DecodeRestart (as the streamed save does)."""
     while True:
@@ -246,52 +236,32 @@ def _plans(decoder):
     return tuple(decoder.last_plan), tuple(tuple(plan) for plan in decoder.last_retries)  # plain tuples pickle safely
 
 
-def _rank(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+def _rank(rank: int, world: int, tmp: str) -> dict:
     results = {}
-    try:
-        sd, z = torch.load(f"{tmp}/state_dict.pt"), torch.load(f"{tmp}/latents.pt")
+    sd, z = torch.load(f"{tmp}/state_dict.pt"), torch.load(f"{tmp}/latents.pt")
 
-        def decoder(table="torch", **kwargs):
-            return WanVAEDecoder(sd, device="cpu", frames_per_pass=2, backend=table if rank == 1 else "torch",
-                                 **kwargs)
+    def decoder(table="torch", **kwargs):
+        return WanVAEDecoder(sd, device="cpu", frames_per_pass=2, backend=table if rank == 1 else "torch", **kwargs)
 
-        results["undisturbed"] = WanVAEDecoder(sd, device="cpu", frames_per_pass=1, local=True,
-                                               backend="torch").decode(z)
-        short = decoder(limited(frames=4))
-        results["decode"] = _outcome(lambda: short.decode(z))
-        results["decode_plans"] = _plans(short)
-        streamed = decoder(limited(frames=4))
-        results["decode_iter"] = _outcome(lambda: _restarting(streamed, z))
-        results["decode_iter_plans"] = _plans(streamed)
-        results["smallest"] = _outcome(lambda: decoder(limited(frames=0)).decode(z))
-        results["error"] = _outcome(lambda: decoder(limited(fail_calls=3, error=KeyError)).decode(z))
-        results["after"] = _outcome(lambda: decoder().decode(z))  # the group still works
-    except Exception:  # noqa: BLE001
-        results["crash"] = traceback.format_exc()
-    torch.save(results, f"{tmp}/rank{rank}.pt")
-    dist.destroy_process_group()
+    results["undisturbed"] = WanVAEDecoder(sd, device="cpu", frames_per_pass=1, local=True,
+                                           backend="torch").decode(z)
+    short = decoder(limited(frames=4))
+    results["decode"] = outcome(lambda: short.decode(z))
+    results["decode_plans"] = _plans(short)
+    streamed = decoder(limited(frames=4))
+    results["decode_iter"] = outcome(lambda: _restarting(streamed, z))
+    results["decode_iter_plans"] = _plans(streamed)
+    results["smallest"] = outcome(lambda: decoder(limited(frames=0)).decode(z))
+    results["error"] = outcome(lambda: decoder(limited(fail_calls=3, error=KeyError)).decode(z))
+    results["after"] = outcome(lambda: decoder().decode(z))  # the group still works
+    return results
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_with_the_failure_on_rank_1_retry_together(tmp_path, wan22_state_dict, z):
     torch.save(wan22_state_dict, tmp_path / "state_dict.pt")
     torch.save(z, tmp_path / "latents.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=HANG_LIMIT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} hung"
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    assert "crash" not in r0 and "crash" not in r1, (r0.get("crash"), r1.get("crash"))
+    r0, r1 = run_ranks(_rank, 2, tmp_path, group_timeout_s=GROUP_TIMEOUT_S, hang_limit_s=HANG_LIMIT_S)
 
     expected = r0["undisturbed"]
     for name in ("decode", "decode_iter"):

@@ -13,15 +13,13 @@ test_decoder_tiling.py; Winograd's own op-level checks in test_winograd.py.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _decoder_allowance import Oracle, check_allowance, latents
+from _ranks import run_ranks
 from _threads import RANK_THREADS, torch_threads
 from _vae_helpers import make_wan21_vae, make_wan22_vae
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
@@ -136,27 +134,19 @@ def test_decode_iter_yields_the_decode_in_consecutive_chunks(variant, plain, til
     assert next_frame == {0: 9, 1: 9}
 
 
-def _rank(rank: int, world: int, tmp: str, state_dict, conv_algorithm: str) -> None:
-    torch.set_num_threads(RANK_THREADS)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        decoder = WanVAEDecoder(state_dict, device="cpu", backend="torch", conv_algorithm=conv_algorithm,
-                                frames_per_pass=2)
-        video = decoder.decode(torch.load(f"{tmp}/latents.pt"))
-        torch.save(video, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, tmp: str, state_dict, conv_algorithm: str):
+    decoder = WanVAEDecoder(state_dict, device="cpu", backend="torch", conv_algorithm=conv_algorithm,
+                            frames_per_pass=2)
+    return decoder.decode(torch.load(f"{tmp}/latents.pt"))
 
 
 @pytest.mark.parametrize("world", [3])  # 5 latent rows: direct bands of 2, 2, 1 rows; Winograd's start on even rows
 def test_bands_over_gloo_ranks_give_the_same_video(variant, plain, tmp_path, world):
     z, expected = plain(SPLIT_SHAPE)
     torch.save(z, tmp_path / "latents.pt")
-    mp.spawn(_rank, args=(world, str(tmp_path), variant.state_dict, variant.conv_algorithm), nprocs=world,
-             join=True)
-    assert torch.equal(torch.load(tmp_path / "rank0.pt"), expected)
-    assert all(torch.load(tmp_path / f"rank{r}.pt") is None for r in range(1, world)), "only rank 0 gets the video"
+    videos = run_ranks(_rank, world, tmp_path, variant.state_dict, variant.conv_algorithm, threads=RANK_THREADS)
+    assert torch.equal(videos[0], expected)
+    assert all(video is None for video in videos[1:]), "only rank 0 gets the video"
 
 
 MARGIN_SHAPE = (1, Z_DIM, 1, 19, 1)  # tall enough that a 2-row tile has a cut edge within every margin

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _pan2_helpers import forward_batch, free_port
+from _ranks import run_ranks
 from _threads import RANK_THREADS, torch_threads
 
 pytestmark = pytest.mark.slow
@@ -44,49 +43,33 @@ def _stage_and_args(tiny_ckpt: str):
     return PAN2DecodingStage(vae=vae.eval()), args
 
 
-def _rank(rank: int, world: int, port: int, tiny_ckpt: str, tmp: str, case: str) -> None:
+def _rank(rank: int, world: int, tmp: str, port: int, tiny_ckpt: str, case: str) -> dict:
+    """One of FastVideo's workers (its own distributed environment, set up as its worker entry point does)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
-    torch.set_num_threads(RANK_THREADS)  # the single-rank decode it is compared with runs at this count too
+    from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
+
+    from fastvideo_pan2_ext.integration import streamed_save
+
+    maybe_init_distributed_environment_and_model_parallel(1, 1, f"tcp://127.0.0.1:{port}")
+    stage, args = _stage_and_args(tiny_ckpt)
+    batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
+    batch.latents = LATENTS.clone()
+    if case == "bad rank 1" and rank == 1:
+        batch.latents[0, 0, 0, 0, 0] = float("inf")  # passes FastVideo's validators, fails ours
+    if case == "streamed":
+        batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(f"{tmp}/ranks.mp4", 24)
     try:
-        from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
-
-        from fastvideo_pan2_ext.integration import streamed_save
-
-        maybe_init_distributed_environment_and_model_parallel(1, 1, f"tcp://127.0.0.1:{port}")
-        stage, args = _stage_and_args(tiny_ckpt)
-        batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
-        batch.latents = LATENTS.clone()
-        if case == "bad rank 1" and rank == 1:
-            batch.latents[0, 0, 0, 0, 0] = float("inf")  # passes FastVideo's validators, fails ours
-        if case == "streamed":
-            batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(f"{tmp}/ranks.mp4", 24)
-        try:
-            output = stage(batch, args).output
-            result = {"ok": True}
-            if rank == 0:
-                torch.save(output, f"{tmp}/ranks.pt")
-        except ValueError as exc:
-            result = {"ok": False, "error": str(exc)}
-    except Exception:
-        result = {"ok": False, "crash": traceback.format_exc()}
-    Path(f"{tmp}/rank{rank}.json").write_text(json.dumps(result))
+        output = stage(batch, args).output
+    except ValueError as exc:
+        return {"ok": False, "error": str(exc)}
+    if rank == 0:
+        torch.save(output, f"{tmp}/ranks.pt")
+    return {"ok": True}
 
 
 def _run(world: int, tiny_ckpt, tmp_path, case: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(tiny_ckpt), str(tmp_path), case))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} hung"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    # The single-rank decode it is compared with runs at RANK_THREADS too.
+    return run_ranks(_rank, world, tmp_path, free_port(), str(tiny_ckpt), case, threads=RANK_THREADS, group=False)
 
 
 @pytest.fixture(scope="module")

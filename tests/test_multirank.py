@@ -7,14 +7,11 @@ every rank within the group's timeout instead of hanging.
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from _decoder_allowance import Oracle, check_allowance, latents
+from _ranks import outcome, run_ranks
 from _threads import RANK_THREADS, torch_threads
 
 HEIGHT_NOT_DIVISIBLE = (1, 8, 3, 5, 3)  # 5 latent rows over 2, 3 or 4 ranks
@@ -22,16 +19,10 @@ GROUP_TIMEOUT_S = 60
 
 
 def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except ValueError as exc:
-        return ("ValueError", str(exc))
+    return outcome(fn, (ValueError,))
 
 
-def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(RANK_THREADS)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                           timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+def _worker(rank: int, world: int, tmp: str) -> dict:
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
     from fastvideo_pan2_ext.vae_kernel.planning import memory
 
@@ -61,9 +52,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         if rank == world - 1:
             bad[0, 0, 0, 0, 0] = float("nan")
         results["nan_on_one_rank"] = _outcome(lambda: decoder.decode(bad))
-    torch.save(results, f"{tmp}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +67,7 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
     z = latents(HEIGHT_NOT_DIVISIBLE, seed=5)
     torch.save(wan22_state_dict, tmp_path / "state_dict.pt")
     torch.save(z, tmp_path / "latents.pt")
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    results = run_ranks(_worker, world, tmp_path, threads=RANK_THREADS, group_timeout_s=GROUP_TIMEOUT_S)
 
     single = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
     ref32, release = oracle.decodes(z, HEIGHT_NOT_DIVISIBLE)
