@@ -12,8 +12,8 @@ below is first used.
 
 from fastvideo_pan2_ext.version import __version__
 
-__all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "register", "enable_fast_decode", "disable_fast_decode",
-           "__version__"]
+__all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "DecodeFailed", "register", "enable_fast_decode",
+           "disable_fast_decode", "__version__"]
 
 
 def register() -> None:
@@ -32,6 +32,10 @@ def __getattr__(name: str):
         from fastvideo_pan2_ext.integration.pipeline import PAN2Pipeline
 
         return PAN2Pipeline
+    if name == "DecodeFailed":  # what VideoGenerator raises when a PAN2 decode fails (its latents kept)
+        from fastvideo_pan2_ext.integration.decode_failure import DecodeFailed
+
+        return DecodeFailed
     if name in ("enable_fast_decode", "disable_fast_decode"):  # diffusers' Wan VAE; FastVideo is not imported
         from fastvideo_pan2_ext import diffusers_decode
 

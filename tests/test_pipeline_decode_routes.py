@@ -116,7 +116,7 @@ def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_c
     keeps the latents (a failed decode after denoising never loses them: `integration.kept_latents`)."""
     import re
 
-    from fastvideo_pan2_ext.integration import kept_latents
+    from fastvideo_pan2_ext.integration import decode_failure
 
     budget = _budget_that_tiles(pan2)
     assert torch.equal(_stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_max_memory=budget),
@@ -125,8 +125,9 @@ def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_c
     batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
     batch.latents = LATENTS.clone()
     batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(str(tmp_path / "x.mp4"), 24)
+    batch.extra[decode_failure.REQUEST_KEY] = decode_failure.KeepLatentsRequest.beside(tmp_path / "x.mp4", 24)
     with _config(args, vae_decode_frames_per_pass=2, vae_decode_kernel=True, vae_decode_max_memory=budget):
-        failure = pipeline._stage_name_mapping["decoding_stage"](batch, args).extra[kept_latents.KEY]
+        failure = pipeline._stage_name_mapping["decoding_stage"](batch, args).extra[decode_failure.FAILURE_KEY]
     assert re.search(r"ValueError: max_memory .* is too small to decode latents \[1, 48, 3, 3, 5\] streamed "
                      r"\(decode_iter\) in any tile size: that needs at least", failure.error), failure.error
     assert not (tmp_path / "x.mp4").exists() and failure.latents == str(tmp_path / "x.latents.safetensors")

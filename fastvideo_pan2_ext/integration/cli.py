@@ -30,7 +30,7 @@ from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_
 from fastvideo_pan2_ext.image import check_size, load_image
 from fastvideo_pan2_ext.video_io import check_writable
 
-from . import adapter, kept_latents, streamed_save
+from . import adapter, decode_failure, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
@@ -139,7 +139,7 @@ def _ends_cleanly():
         signum = received[0] if received else signal.SIGINT
         raise end(_ENDINGS[signum], 128 + signum) from None
     except RuntimeError as exc:
-        failed = kept_latents.failure_in(exc)
+        failed = decode_failure.failure_in(exc)
         if failed is not None:  # the decode failed after denoising; its latents are kept (or it says why not)
             _stop_workers()  # idle now: stopped at once, so nothing of theirs prints after the line
             print(f"fastvideo generate: {failed}", file=sys.stderr)

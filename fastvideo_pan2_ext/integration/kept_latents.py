@@ -1,18 +1,18 @@
 """A failed decode keeps the latents (docs/design.md, "Kept latents and the decode command").
 
-A PAN2 request whose video the decoding stage streams to its file (the fast decoder on; `streamed_save`) has its
-decode and save run in the worker. When they fail for any reason (an exception from the decoder, a full disk at the
-save, ...) after denoising, `keep` writes the latents the VAE was given beside the output
-(`latents_file.path_for(target)`: `<stem>.latents.safetensors`, atomically, with the checkpoint, layout, fps and
-decoder options in its metadata) on rank 0 and hands FastVideo a placeholder output with a `DecodeFailure` in the
-batch's `extra`. In the parent, `check_output` (run on what the workers return, before FastVideo reads it) raises
-`DecodeFailed`, whose message is the one line naming the file and the decode command; `fastvideo generate` prints it
-and exits 1. An interrupt (KeyboardInterrupt, SIGTERM's SystemExit) is no Exception: nothing is written.
+Every PAN2 request with the fast decoder on (`decode_failure.keeps_latents`) carries a `KeepLatentsRequest` from the
+parent: the video it is for, and its fps. When its decode in the worker fails for any reason after denoising (an
+exception from the decoder, a full disk at the streamed save, ...), `keep` writes the latents the VAE was given
+beside that video (`latents_file.path_for(output)`: `<stem>.latents.safetensors`, atomically, with the checkpoint,
+layout, fps and decoder options in its metadata) on rank 0 and hands FastVideo a placeholder output with a
+`DecodeFailure` in the batch's `extra`. In the parent, `check_output` (run on what the workers return, before
+FastVideo reads it) raises `DecodeFailed`, whose message is the one line naming the file and the decode command;
+`streamed_save` re-raises it from `VideoGenerator`, and `fastvideo generate` prints it and exits 1. An interrupt
+(KeyboardInterrupt, SIGTERM's SystemExit) is no Exception: nothing is written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -23,35 +23,9 @@ from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 
 from . import adapter, fast_decode, streamed_save
+from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
 
 logger = logging.getLogger(__name__)
-
-KEY = "pan2_decode_failed"  # batch.extra key of the worker's DecodeFailure
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeFailure:
-    """Worker -> parent: the decode failed with `error`; its latents are in `latents` (None: keeping them failed too,
-    with `keep_error`)."""
-
-    error: str
-    latents: str | None
-    keep_error: str | None = None
-
-    def line(self) -> str:
-        if self.latents is None:
-            return (f"the decode failed ({self.error}), and keeping its latents failed too ({self.keep_error}); no "
-                    "video written")
-        return (f"the decode failed ({self.error}); the latents are kept in {self.latents}; make the video with: "
-                f"{latents_file.decode_command(self.latents)}")
-
-
-class DecodeFailed(RuntimeError):
-    """A PAN2 request's decode failed after denoising; the message says where its latents are kept."""
-
-    def __init__(self, failure: DecodeFailure) -> None:
-        super().__init__(failure.line())
-        self.failure = failure
 
 
 def _one_line(exc: BaseException) -> str:
@@ -74,12 +48,12 @@ def _is_root() -> bool:
     return group is None or torch.distributed.get_rank(group) == 0
 
 
-def keep(stage, batch, latents: torch.Tensor, request: streamed_save.StreamedSaveRequest, fastvideo_args,
-         error: Exception):
-    """In the worker, after the streamed decode of `latents` (de-normalized) raised `error`: keep the latents (rank
-    0) and return the batch with a placeholder output and the failure for the parent."""
+def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastvideo_args, error: Exception):
+    """In the worker, after the decode of `latents` (de-normalized, as the VAE was given them) raised `error`: keep
+    the latents beside `request.output` (rank 0) and return the batch with a placeholder output and the failure for
+    the parent."""
     vae = stage.vae
-    output = os.path.abspath(request.path)  # the line and the file must work from any folder
+    output = os.path.abspath(request.output)  # the line and the file must work from any folder
     path = latents_file.path_for(output)
     source = str(fastvideo_args.model_path)
     source = os.path.abspath(source) if os.path.exists(source) else source  # a hub id stays one
@@ -97,26 +71,15 @@ def keep(stage, batch, latents: torch.Tensor, request: streamed_save.StreamedSav
             failure = DecodeFailure(failure.error, None, _one_line(exc))
         logger.debug("PAN2 decode failed", exc_info=error)  # the parent says the one line
     batch.output = streamed_save.empty_output(latents.shape[0], latents.shape[3] * scale, latents.shape[4] * scale)
-    batch.extra[KEY] = failure
+    batch.extra[FAILURE_KEY] = failure
     return batch
 
 
 def check_output(output_batch) -> None:
     """In the parent, on what the workers returned: raise DecodeFailed for a decode that failed."""
-    failure = (getattr(output_batch, "extra", None) or {}).get(KEY)
+    failure = (getattr(output_batch, "extra", None) or {}).get(FAILURE_KEY)
     if failure is not None:
         raise DecodeFailed(failure)
-
-
-def failure_in(exc: BaseException | None) -> DecodeFailed | None:
-    """The DecodeFailed behind `exc` (FastVideo re-raises errors of its forward thread as a RuntimeError from them)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, DecodeFailed):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def install() -> None:

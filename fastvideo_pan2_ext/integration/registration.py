@@ -11,7 +11,7 @@
 7. Gives FastVideo's Wan VAE config the fast decoder's switch and routes its VAE's decode through the fast decoder
    where the switch is on (`fast_decode`), with the switch's options checked when FastVideoArgs are made.
 8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
-   latents of a streamed decode that fails (`kept_latents`).
+   latents of a decode that fails with the fast decoder on (`kept_latents`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
   (`fastvideo_pan2_ext.image`, bit-identical to the reference); everything else the stage does is FastVideo's.
 - `PAN2DecodingStage`: FastVideo's decoding stage, which decodes through the fast decoder when PAN2's
   `vae_decode_kernel` (the Wan VAE config's `decode_kernel`) is on (`fast_decode`). A batch carrying a
-  `StreamedSaveRequest` (`streamed_save`) is written to its mp4 as it is decoded, by rank 0, instead of returned;
-  when that decode or write fails, its latents are kept beside the output (`kept_latents`).
+  `StreamedSaveRequest` (`streamed_save`) is written to its mp4 as it is decoded, by rank 0, instead of returned. A
+  batch carrying a `KeepLatentsRequest` (`decode_failure`: every PAN2 request with the fast decoder on) keeps its
+  latents beside its video when the decode (or the streamed write) fails (`kept_latents`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from PIL import Image
 
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
 
-from . import adapter, fast_decode, kept_latents, streamed_save
+from . import adapter, decode_failure, fast_decode, kept_latents, streamed_save
 
 logger = logging.getLogger(__name__)
 
@@ -48,21 +49,32 @@ class PAN2InputStage(adapter.symbol("InputValidationStage")):
 
 
 class PAN2DecodingStage(adapter.symbol("DecodingStage")):
-    """FastVideo's decoding stage (whose VAE decodes through the fast decoder when it is switched on), and the
-    streamed save."""
+    """FastVideo's decoding stage (whose VAE decodes through the fast decoder when it is switched on), the streamed
+    save, and the latents kept when the decode fails."""
 
     def forward(self, batch, fastvideo_args):
         fastvideo_args.pipeline_config.check_vae_options()  # again: FastVideo may set fields after construction
         request = streamed_save.request_in(batch)
-        if request is None:
-            return super().forward(batch, fastvideo_args)
-        if fast_decode.options(self.vae.config) is None:
+        keeping = decode_failure.request_in(batch)
+        if request is not None and fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
-        latents = adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
         try:
-            streamed_save.write_while_decoding(self.vae, latents, request)
+            if request is None:
+                return super().forward(batch, fastvideo_args)
+            return self._stream(batch, request, fastvideo_args)
         except Exception as exc:  # after denoising: keep the latents (an interrupt is no Exception: nothing kept)
-            return kept_latents.keep(self, batch, latents, request, fastvideo_args, exc)
+            if keeping is None:
+                raise
+            latents = self._vae_input(batch, fastvideo_args)  # as the failed decode had them
+            return kept_latents.keep(self, batch, latents, keeping, fastvideo_args, exc)
+
+    def _vae_input(self, batch, fastvideo_args):
+        """The latents as FastVideo's decode hands them to the VAE: on this rank's device, de-normalized."""
+        return adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
+
+    def _stream(self, batch, request, fastvideo_args):
+        latents = self._vae_input(batch, fastvideo_args)
+        streamed_save.write_while_decoding(self.vae, latents, request)
         _, _, _, height, width = fast_decode.decoder_for(self.vae, latents.device).output_shape(latents)
         batch.output = streamed_save.empty_output(latents.shape[0], height, width)
         return batch

@@ -13,6 +13,10 @@ parent's `* 255` copy). For a PAN2 request that saves its video, that step is wr
   FastVideo fills them.
 - Otherwise FastVideo saves, into `video_io.partial_path(target)`.
 
+Every PAN2 request with the fast decoder on, saved or not, also carries a `decode_failure.KeepLatentsRequest` (the
+path FastVideo chose for its video, and the fps): a decode that fails keeps its latents beside it (`kept_latents`),
+and the `DecodeFailed` FastVideo wraps in a RuntimeError is raised here as itself, so `VideoGenerator` raises it.
+
 Either way the video is written beside its target under a partial name and renamed into place only when complete; a
 failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs it. A
 streamed decode that runs out of memory after its first frames were written starts the file again at the decoder's
@@ -36,7 +40,7 @@ from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_coun
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
 from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path, write_grid_stream
 
-from . import adapter, fast_decode
+from . import adapter, decode_failure, fast_decode
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +98,30 @@ def write_while_decoding(vae, latents: torch.Tensor, request: StreamedSaveReques
 
 def streams(fastvideo_args, sampling_param) -> bool:
     """Whether this request's video is written by the decoding stage while it decodes."""
-    return (fast_decode.options(fastvideo_args.pipeline_config.vae_config) is not None
-            and bool(sampling_param.save_video) and not sampling_param.return_frames
-            and not sampling_param.return_trajectory_decoded
-            and fastvideo_args.output_type != "latent" and fastvideo_args.distributed_executor_backend == "mp")
+    return (decode_failure.keeps_latents(fastvideo_args) and bool(sampling_param.save_video)
+            and not sampling_param.return_frames and not sampling_param.return_trajectory_decoded)
 
 
 def _generate(original, generator, prompt, sampling_param, fastvideo_args, **kwargs):
     args = fastvideo_args if fastvideo_args is not None else generator.fastvideo_args
     if not isinstance(args.pipeline_config, PAN2PipelineConfig) or sampling_param is None:
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
+    try:
+        return _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, args, **kwargs)
+    except RuntimeError as exc:  # FastVideo re-raises its forward thread's error as a RuntimeError from it
+        failed = decode_failure.failure_in(exc)
+        if failed is None or failed is exc:
+            raise
+        raise decode_failure.DecodeFailed(failed.failure) from None  # the one line, not FastVideo's wrapper
+
+
+def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, args, **kwargs):
     check_videos_per_request(sampling_param.num_videos_per_prompt)
     check_frame_count(sampling_param.num_frames)
     args.pipeline_config.check_vae_options()
+    if decode_failure.keeps_latents(args):  # beside the path FastVideo chose, even for a request that saves nothing
+        kwargs = adapter.with_batch_extra(kwargs, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest.beside(
+            kwargs["output_path"], sampling_param.fps))
     if not sampling_param.save_video or args.output_type == "latent":
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
     target = Path(kwargs["output_path"])
