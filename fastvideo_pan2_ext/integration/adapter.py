@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import logging
 import sys
 from typing import Any, Callable
