@@ -123,3 +123,21 @@ def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows,
     allocated = _allocator_peak(lambda: decoder.decode(z), tmp_path) - video_bytes
     estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows)
     assert 0.95 * allocated <= estimate <= 1.05 * allocated, (estimate, allocated)
+
+
+@pytest.mark.parametrize("tile_rows, stream", [(None, False), (2, False), (None, True), (4, True)])
+def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, tile_rows, stream):
+    """The replay against `LiveBytes` over the real decode (`decode`, or `decode_iter` with tiles advancing
+    together), beyond the returned video (decode) or the chunk handed out (decode_iter)."""
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
+    z = latents((1, 8, 3, 7, 2), seed=5)
+    with LiveBytes() as tracker:
+        if stream:
+            for _, _, chunk in decoder.decode_iter(z):
+                del chunk
+            returned = 0
+        else:
+            returned = decoder.decode(z).nbytes
+    estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows, stream=stream)
+    measured = tracker.peak - returned
+    assert 0.98 * measured <= estimate <= 1.02 * measured, (estimate, measured)

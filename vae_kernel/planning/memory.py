@@ -2,13 +2,12 @@
 
 `max_memory` (see `WanVAEDecoder`) is met by measuring, not guessing: the decoder's own schedule of buffers (causal
 histories, windows, activations, tile crops) is replayed on the `meta` device, where tensors have shapes but no data,
-under `LiveBytes`, which counts every storage created while it is active and frees it when the last view of it dies.
-The ops of that replay (`dry_ops`) do no arithmetic: each allocates, for as long as the op runs, the scratch the
-portable op needs (its inputs and outputs in the compute dtype, an upper bound on what `ops.py` materialises), so the
-replay's peak is the decode's peak working memory: everything it allocates beyond the weights, the latents and the
-returned video. Scratch is counted twice over (`_SCRATCH_COPIES`): the portable ops make a cast copy and a layout copy
-of some operands (measured against the real CPU decode under `LiveBytes`, one copy underestimates small tiles by up
-to 30%).
+under `LiveBytes`, which counts every storage created while it is active and frees it when the last view of it dies
+(not the weights a decode reads through views). The ops of that replay (`dry_ops`) do no arithmetic: each holds, for
+as long as the op runs, what the portable op in `ops.py` materialises (its casts to the compute dtype, its result,
+its reshapes), so the replay's peak is the decode's peak working memory: everything it allocates beyond the weights,
+the latents and the returned video (on a CPU, in either weight layout, what the real decode allocates, op for op:
+tests/test_memory_model.py).
 
 How a decode is planned (`frames_per_pass="auto"`, `max_memory`, the tiles, a decode group's agreement) is stated
 once, in `choose_plan` and `smallest` (docs/design.md, "The decoder": memory planner). Every planner method takes
@@ -39,10 +38,9 @@ FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses am
 # nothing smaller bounds it (`choose_plan`): PAN2's default video (704x1248, 193 frames) then decodes at
 # frames_per_pass 1 on one GPU.
 DEFAULT_MEMORY_GOAL = 16 * 2**30
-# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
-# frames at 2 frames per pass (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is
-# checked against 1.3 x the replay. At 1 frame per pass such frames are worse (3-row tiles: 44%; 4 columns: 12-17%;
-# 6 columns: within 4%): the tests that hold a decode to its budget use frames at least 4 columns wide.
+# A budget is checked against 1.3 x the replay: the replay counts the storages torch allocates (on a CPU the same
+# as the real decode's, and within 5% of torch's CPU allocator: tests/test_memory_model.py), not what oneDNN, cuDNN
+# or a compiled kernel allocate inside a call, nor the allocator's rounding and fragmentation.
 PEAK_HEADROOM = 1.3
 # A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
 # (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries

@@ -203,7 +203,5 @@ class Ops:
     cpu_compute_layout: bool = False
 
 
-# Not yet in the CPU compute layout: with it the real CPU decode's peak grows past the planner's replay (by about
-# 1.1 MB at the memory tests' narrow widths, tests/test_decoder_memory.py), so max_memory budgets would not hold.
 TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp,
                 cpu_compute_layout=True)
