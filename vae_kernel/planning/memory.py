@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..definitions.architecture import video_shape
 from ..distributed.bands import LocalRows, split_rows
-from ..portable.network import DecodeState, NetworkPass, Tile
 from ..portable import ops
+from ..portable.network import DecodeState, NetworkPass, Tile
 from ..portable.ops import Ops
 from ..portable.passes import latent_passes, pass_video_frames, row_tiles
 
@@ -289,8 +289,8 @@ class MemoryPlanner:
             tiles = [(start, start + tile_rows)]
         untiled = tiles == [None]
         # decode_tiles writes into the returned video (made before the replay's count starts: not counted).
-        video = torch.empty((1, 3, len(pass_video_frames(*passes[-1])), s * height, s * width), dtype=torch.bfloat16,
-                            device=meta)
+        most = max(len(pass_video_frames(t0, t1)) for t0, t1 in passes)
+        video = torch.empty((1, 3, most, s * height, s * width), dtype=torch.bfloat16, device=meta)
         with LiveBytes() as tracker:
             states = [DecodeState(meta) for _ in tiles]
             for t0, t1 in passes:
