@@ -248,6 +248,7 @@ class WanVAEDecoder:
         for b, frame, chunk in self._attempts(latents, False, start, video):
             if chunk is not None:
                 video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # copies allocate nothing
+            del chunk  # not held while the next pass runs
         return video[0] if video else None
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -286,6 +287,7 @@ class WanVAEDecoder:
                         remaining -= 1
                         yielded = stream  # decode's own chunks are copied again by the retry: only decode_iter's count
                         yield item
+                        del item  # not held while the next pass runs
                 except GeneratorExit:  # the consumer stopped: the group hears of it unless every chunk was out
                     status = OK if remaining <= 0 else FAILED
                     self._finish(rows, status)

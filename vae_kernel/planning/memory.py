@@ -2,13 +2,12 @@
 
 `max_memory` (see `WanVAEDecoder`) is met by measuring, not guessing: the decoder's own schedule of buffers (causal
 histories, windows, activations, tile crops) is replayed on the `meta` device, where tensors have shapes but no data,
-under `LiveBytes`, which counts every storage created while it is active and frees it when the last view of it dies.
-The ops of that replay (`dry_ops`) do no arithmetic: each allocates, for as long as the op runs, the scratch the
-portable op needs (its inputs and outputs in the compute dtype, an upper bound on what `ops.py` materialises), so the
-replay's peak is the decode's peak working memory: everything it allocates beyond the weights, the latents and the
-returned video. Scratch is counted twice over (`_SCRATCH_COPIES`): the portable ops make a cast copy and a layout copy
-of some operands (measured against the real CPU decode under `LiveBytes`, one copy underestimates small tiles by up
-to 30%).
+under `LiveBytes`, which counts every storage created while it is active and frees it when the last view of it dies
+(not the weights a decode reads through views). The ops of that replay (`dry_ops`) do no arithmetic: each holds, for
+as long as the op runs, what the portable op in `ops.py` materialises (its casts to the compute dtype, its result,
+its reshapes), so the replay's peak is the decode's peak working memory: everything it allocates beyond the weights,
+the latents and the returned video (on a CPU, in either weight layout, what the real decode allocates, op for op:
+tests/test_memory_model.py).
 
 How a decode is planned (`frames_per_pass="auto"`, `max_memory`, the tiles, a decode group's agreement) is stated
 once, in `choose_plan` and `smallest` (docs/design.md, "The decoder": memory planner). Every planner method takes
@@ -28,21 +27,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..definitions.architecture import video_shape
 from ..distributed.bands import LocalRows, split_rows
+from ..portable import ops
 from ..portable.network import DecodeState, NetworkPass, Tile
 from ..portable.ops import Ops
 from ..portable.passes import latent_passes, pass_video_frames, row_tiles
 
-_SCRATCH_COPIES = 2
 AUTO = "auto"
 FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first (`choose_plan`)
 # frames_per_pass="auto" keeps a decode's whole allocation (weights, working memory, returned video) within this when
 # nothing smaller bounds it (`choose_plan`): PAN2's default video (704x1248, 193 frames) then decodes at
 # frames_per_pass 1 on one GPU.
 DEFAULT_MEMORY_GOAL = 16 * 2**30
-# peak_bytes' replay underestimates the real CPU decode's peak by up to 26% for one-row tiles of 2-column-wide test
-# frames at 2 frames per pass (7% at 3 columns; fixed per-op costs, not yet modelled, weigh most there), so a budget is
-# checked against 1.3 x the replay. At 1 frame per pass such frames are worse (3-row tiles: 44%; 4 columns: 12-17%;
-# 6 columns: within 4%): the tests that hold a decode to its budget use frames at least 4 columns wide.
+# A budget is checked against 1.3 x the replay: the replay counts the storages torch allocates (on a CPU the same
+# as the real decode's, and within 5% of torch's CPU allocator: tests/test_memory_model.py), not what oneDNN, cuDNN
+# or a compiled kernel allocate inside a call, nor the allocator's rounding and fragmentation.
 PEAK_HEADROOM = 1.3
 # A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
 # (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries
@@ -182,7 +180,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        new = [t.untyped_storage() for t in _tensors(out) if t.untyped_storage()._cdata not in self.live]
+        # A view (or in-place result) shares an argument's storage: one not yet counted existed before (a weight).
+        inputs = {t.untyped_storage()._cdata for t in _tensors([*args, *(kwargs or {}).values()])}
+        new = [t.untyped_storage() for t in _tensors(out)
+               if t.untyped_storage()._cdata not in self.live and t.untyped_storage()._cdata not in inputs]
         if new:  # frees only matter for the peak at the next allocation
             self._sweep()
             for storage in new:
@@ -207,23 +208,39 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def dry_ops(compute_itemsize: int) -> Ops:
-    """An op table that computes nothing and holds, while it runs, scratch for its tensor arguments at
-    `compute_itemsize` bytes per element (the portable ops cast inputs and produce outputs in the compute dtype)."""
+def dry_ops(compute: torch.dtype) -> Ops:
+    """An op table that computes nothing and holds, while each op runs, the temporaries the portable op (`ops.py`)
+    materialises on a device that computes in `compute` (fp32 on a CPU, bf16 on a GPU). The convs and the attention:
+    a copy in the compute dtype of each operand held in another (bf16 activations on a CPU; bf16 weights where the
+    table takes them as prepared), and the result in the compute dtype; views and the destination cost nothing. The
+    norm, the DupUp shortcut and the unpatchify compute the same on every device: the portable ops themselves run
+    (on meta tensors: shapes only)."""
+    size = compute.itemsize
 
-    def op(*args, **kwargs):
-        elements = sum(a.numel() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
-        scratch = torch.empty(_SCRATCH_COPIES * elements * compute_itemsize, dtype=torch.uint8, device="meta")
+    def casts(*operands: torch.Tensor) -> int:
+        return sum(t.numel() * size for t in operands if t.dtype != compute)
+
+    def hold(nbytes: int) -> None:
+        scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
+
+    def conv3d(x, w, b, out, residual=None):
+        result = out.numel() * size
+        added = result if residual is not None and compute != torch.float32 else 0  # fp32 adds the residual in place
+        hold(casts(x, w, b) + result + added)
+
+    def upsample2x_conv3x3(x, w_sub, b, out):
+        m, hi, width, _ = x.shape
+        phases = 4 * w_sub.shape[2]  # the four phases' outputs over the padded low-resolution grid, and their bias
+        hold(casts(x, w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0))
+             + m * (hi - 1) * (width + 1) * phases * size)
 
     def attention(q, kv, out):
         # ... plus the score matrix a math-path softmax attention may materialise (frames x Lq x L).
         scores = q.shape[0] * q.shape[1] * kv.shape[1]
-        elements = q.numel() + kv.numel() + out.numel() + scores
-        scratch = torch.empty(_SCRATCH_COPIES * elements * compute_itemsize, dtype=torch.uint8, device="meta")
-        del scratch
+        hold(casts(q, kv) + (out.numel() + scores) * size)
 
-    return Ops("dry", op, op, op, attention, op, op)
+    return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp)
 
 
 class MemoryPlanner:
@@ -257,8 +274,7 @@ class MemoryPlanner:
         _, _, t, height, width = latents_shape
         if self._meta_weights is None:
             self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
-        itemsize = 4 if self.device.type == "cpu" else 2  # the portable ops compute in fp32 on CPU, bf16 on GPU
-        ops, p, s = dry_ops(itemsize), self.config.patch_size, self.config.spatial_scale
+        dry, p, s = dry_ops(ops.compute_dtype(self.device)), self.config.patch_size, self.config.spatial_scale
         # The first frame, a pass whose causal history is that one frame, then one with the full history (two frames
         # at every conv): later passes repeat the third.
         passes = latent_passes(t, frames_per_pass)[:3]
@@ -271,19 +287,29 @@ class MemoryPlanner:
         else:  # tile by tile: the middle tile holds the most margin rows
             start = (height - tile_rows) // 2
             tiles = [(start, start + tile_rows)]
+        untiled = tiles == [None]
+        # decode_tiles writes into the returned video (made before the replay's count starts: not counted).
+        most = max(len(pass_video_frames(t0, t1)) for t0, t1 in passes)
+        video = torch.empty((1, 3, most, s * height, s * width), dtype=torch.bfloat16, device=meta)
         with LiveBytes() as tracker:
             states = [DecodeState(meta) for _ in tiles]
             for t0, t1 in passes:
-                chunk = None
-                if stream or tile_rows is None:
-                    chunk = torch.empty((1, 3, len(pass_video_frames(t0, t1)), s * height, s * width),
-                                        dtype=torch.bfloat16, device=meta)
+                frames = len(pass_video_frames(t0, t1))
+                # The pass's chunk of video: streamed tiles decode into it (`iter_tiles`), an untiled pass fills it
+                # after the network (`iter_bands`).
+                chunk = torch.empty((1, 3, frames, s * height, s * width), dtype=torch.bfloat16, device=meta) \
+                    if stream and not untiled else None
                 for tile, state in zip(tiles, states):
-                    spec = None if tile is None else Tile(*tile, height, self.config)
-                    out = NetworkPass(ops, self._meta_weights, self.config, LocalRows(height), state, t0 == 0,
+                    spec = None if untiled else Tile(*tile, height, self.config)
+                    out = NetworkPass(dry, self._meta_weights, self.config, LocalRows(height), state, t0 == 0,
                                       spec).run(z[:, t0:t1])
-                    ops.unpatchify_clamp(out, out, p)
-                    del out
+                    if untiled:
+                        chunk = dest = torch.empty((1, 3, frames, s * height, s * width), dtype=torch.bfloat16,
+                                                   device=meta)
+                    else:
+                        dest = (chunk if stream else video[:, :, :frames])[..., s * tile[0]:s * tile[1], :]
+                    dry.unpatchify_clamp(out, dest, p)
+                    del out, dest
                 del chunk
             del states
         return tracker.peak

@@ -36,7 +36,7 @@ _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (1
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
-def _compute_dtype(device: torch.device) -> torch.dtype:
+def compute_dtype(device: torch.device) -> torch.dtype:
     # Most CPUs have no fast bf16 conv kernel (measured: 70x slower than fp32 on an AVX2 EPYC), so the CPU path
     # computes in fp32 on bf16-rounded inputs: the same products, fp32 accumulation, one rounding on store.
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -52,6 +52,12 @@ def computes_channels_first(w: torch.Tensor) -> bool:
     return _is_channels_first(w.permute(0, 4, 1, 2, 3))
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype, layout: torch.memory_format) -> torch.Tensor:
+    """t in `dtype` and `layout`: t itself where it is both (a weight prepared so), else one copy. (`Tensor.to` with a
+    memory format copies a 1x1 kernel's weight, which is both layouts at once, on every call.)"""
+    return t.to(dtype) if t.is_contiguous(memory_format=layout) else t.to(dtype, memory_format=layout)
+
+
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int]) -> torch.Tensor:
     """A stride-1 conv of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels last). On CPU it
     computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
@@ -60,10 +66,10 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int])
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
     with oneDNN present (measured 2-20x slower here, and it returns channels-first output).
     """
-    dtype = _compute_dtype(x.device)
+    dtype = compute_dtype(x.device)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
-        x, w = x.to(dtype, memory_format=layout), w.to(dtype, memory_format=layout)  # no-ops where prepared so
+        x, w = _as(x, dtype, layout), _as(w, dtype, layout)
         ones = [1] * len(padding)
         return torch.mkldnn_convolution(x, w, b.to(dtype), padding, ones, ones, 1)
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
@@ -135,7 +141,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
     q [M, Lq, C] bf16 (this band's pixels); kv [M, L, 2C] bf16 (k then v, every pixel of the frame);
     out [M, Lq, C] bf16. M = frames.
     """
-    dtype = _compute_dtype(q.device)
+    dtype = compute_dtype(q.device)
     c = q.shape[-1]
     k, v = kv.to(dtype).split(c, dim=-1)
     o = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
@@ -197,6 +203,5 @@ class Ops:
     cpu_compute_layout: bool = False
 
 
-# Not yet in the CPU compute layout: with it the real CPU decode's peak grows past the planner's replay (by about
-# 1.1 MB at the memory tests' narrow widths, tests/test_decoder_memory.py), so max_memory budgets would not hold.
-TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp)
+TORCH_OPS = Ops("torch", conv3d, rms_norm_silu, upsample2x_conv3x3, attention, dup_up_add, unpatchify_clamp,
+                cpu_compute_layout=True)

@@ -1,0 +1,144 @@
+"""The memory planner's model of the CPU decode (`planning.memory`): `LiveBytes` counts what a decode allocates (not
+the weights it reads through views), checked against torch's own CPU allocator; the dry op table holds what each
+portable op materialises, in both weight layouts (bf16 as prepared, fp32 compute layout)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _decoder_allowance import latents
+
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes, dry_ops
+from fastvideo_pan2_ext.vae_kernel.portable import ops
+from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare, subpixel_weights, to_compute_layout
+
+CPU = torch.device("cpu")
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_live_bytes_counts_new_storages_not_views_of_older_ones():
+    weight = torch.zeros(1000)
+    with LiveBytes() as tracker:
+        view = weight.view(10, 100).t()[:5]  # views of a tensor made before: nothing allocated
+        assert tracker.peak == 0
+        copy = view.contiguous()  # a new storage
+        view.mul_(2)  # in place: nothing new
+    assert tracker.peak == copy.nbytes == 5 * 10 * 4
+    del view
+
+
+def _peak(op, *args, **kwargs) -> int:
+    with LiveBytes() as tracker:
+        op(*args, **kwargs)
+    return tracker.peak
+
+
+def _real_and_dry(name: str, *args, **kwargs) -> tuple[int, int]:
+    real = _peak(getattr(ops.TORCH_OPS, name), *args, **kwargs)
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    dry = _peak(getattr(dry_ops(ops.compute_dtype(CPU)), name), *meta,
+                **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    return real, dry
+
+
+def _conv_cases():
+    """(what, x, w, out shape, residual?) for the conv shapes of the decoder: 3x3x3 both layouts, 1x1, time conv."""
+    wide, narrow = 512, 32
+    for what, ci, co, k, channels_first in (("wide 3x3 (channels first)", wide, wide, (3, 3, 3), True),
+                                            ("narrow 3x3", narrow, 2 * narrow, (3, 3, 3), False),
+                                            ("1x1", narrow, narrow, (1, 1, 1), False),
+                                            ("time conv", narrow, 2 * narrow, (3, 1, 1), False)):
+        w = prepare("c.weight", _bf16(co, ci, *k, seed=1) / 40)
+        for layout in ("prepared", "compute"):
+            weight = to_compute_layout(w) if layout == "compute" else w
+            assert ops.computes_channels_first(weight) == (channels_first and layout == "compute")
+            yield f"{what}, {layout}", ci, co, k, weight
+
+
+@pytest.mark.parametrize("case", list(_conv_cases()), ids=lambda case: case[0])
+@pytest.mark.parametrize("residual", [False, True])
+def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, residual):
+    _, ci, co, (kt, kh, _), w = case
+    x = _bf16(1, kt + 1, kh + 3, 5, ci, seed=2)
+    out_shape = (1, 2, 4, 5, co)
+    out = torch.empty(out_shape, dtype=torch.bfloat16)
+    extra = {"residual": _bf16(*out_shape, seed=3)} if residual else {}
+    real, dry = _real_and_dry("conv3d", x, w, torch.randn(co), out, **extra)
+    assert real > 0 and real <= dry <= 1.02 * real, (real, dry)
+
+
+@pytest.mark.parametrize("layout", ["prepared", "compute"])
+def test_dry_upsample_holds_what_the_portable_upsample_allocates(layout):
+    w_sub = subpixel_weights(_bf16(48, 32, 3, 3, seed=4).float())
+    w_sub = to_compute_layout(w_sub) if layout == "compute" else w_sub
+    x = _bf16(3, 6, 5, 32, seed=5)
+    out = torch.empty(3, 8, 10, 48, dtype=torch.bfloat16)
+    real, dry = _real_and_dry("upsample2x_conv3x3", x, w_sub, torch.randn(48), out)
+    assert real > 0 and real <= dry <= 1.02 * real, (real, dry)
+
+
+def test_dry_norm_attention_shortcut_and_unpatchify_hold_what_the_portable_ops_allocate():
+    x = _bf16(1, 2, 4, 5, 16, seed=6)
+    checks = {
+        "rms_norm_silu": _real_and_dry("rms_norm_silu", x, torch.rand(16), torch.empty_like(x)),
+        "dup_up_add": _real_and_dry("dup_up_add", x, torch.zeros(1, 3, 8, 10, 16, dtype=torch.bfloat16), 2, 1),
+        "unpatchify_clamp": _real_and_dry("unpatchify_clamp", _bf16(1, 2, 4, 5, 12, seed=7),
+                                          torch.empty(1, 3, 2, 8, 10, dtype=torch.bfloat16), 2),
+    }
+    for what, (real, dry) in checks.items():
+        assert real > 0 and real <= dry <= 1.05 * real, (what, real, dry)
+    # Attention: the dry op also holds the score matrix a math-path attention may materialise (an upper bound).
+    q, kv = _bf16(2, 20, 16, seed=8), _bf16(2, 20, 32, seed=9)
+    real, dry = _real_and_dry("attention", q, kv, torch.empty_like(q))
+    assert real > 0 and real <= dry <= real + 2 * 20 * 20 * 4 * 1.05, (real, dry)
+
+
+def _allocator_peak(run, tmp_path) -> int:
+    """The most bytes torch's CPU allocator held during `run()` beyond what it held before, from torch.profiler's
+    memory events (independent of `LiveBytes`)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    memory = sorted((e for e in trace["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    before = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in memory) - before
+
+
+@pytest.mark.parametrize("tile_rows", [None, 2])
+def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, tmp_path):
+    """What the planner replays is what torch's allocator really held for the decode (beyond the returned video),
+    with the weights in the CPU compute layout."""
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
+    assert ops.TORCH_OPS.cpu_compute_layout and all(w.dtype == torch.float32 for w in decoder.weights.values())
+    z = latents((1, 8, 3, 7, 2), seed=7)
+    video_bytes = 2 * torch.Size(decoder.output_shape(z)).numel()
+    decoder.decode(z)  # the first decode's one-off allocations (oneDNN's caches) are not the decode's working memory
+    allocated = _allocator_peak(lambda: decoder.decode(z), tmp_path) - video_bytes
+    estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows)
+    assert 0.95 * allocated <= estimate <= 1.05 * allocated, (estimate, allocated)
+
+
+@pytest.mark.parametrize("frames, tile_rows, stream", [(3, None, False), (3, 2, False), (3, None, True),
+                                                     (3, 4, True), (4, 2, False)])  # 4: the last pass is shorter
+def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, frames, tile_rows, stream):
+    """The replay against `LiveBytes` over the real decode (`decode`, or `decode_iter` with tiles advancing
+    together), beyond the returned video (decode) or the chunk handed out (decode_iter)."""
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
+    z = latents((1, 8, frames, 7, 2), seed=5)
+    with LiveBytes() as tracker:
+        if stream:
+            for _, _, chunk in decoder.decode_iter(z):
+                del chunk
+            returned = 0
+        else:
+            returned = decoder.decode(z).nbytes
+    estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows, stream=stream)
+    measured = tracker.peak - returned
+    assert 0.98 * measured <= estimate <= 1.02 * measured, (estimate, measured)
