@@ -41,9 +41,9 @@ def load_ops(device: torch.device | str | int = "cuda", *, source: ExtensionSour
     """The compiled op table for `device`, verified (see the module notes).
 
     `source`: the extension to open instead of the one built for the device (`extension.built(arch)`), e.g. a
-    stand-in for a CPU rehearsal of this whole path, child-process self-check included. `winograd`: the (kt, 3, 3) convs by the
-    Winograd kernels (True: every such layer; a frozenset of (Co, Ci, kt): those layers), verified with every layer
-    by Winograd. `factory(device) -> Ops` replaces the build altogether: the table is then self-checked in this
+    stand-in for a CPU rehearsal of this whole path, child-process self-check included. `winograd`: the (kt, 3, 3)
+    convs by the Winograd kernels (True: every such layer; a frozenset of (Co, Ci, kt): those layers), verified with
+    every layer by Winograd. `factory(device) -> Ops` replaces the build altogether: the table is then self-checked in this
     process with the same cases and judgement, and remembered the same way."""
     device = torch.device(device)
     if factory is None and source is None:
