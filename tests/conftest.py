@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from _vae_helpers import make_wan22_vae
 from fastvideo_pan2_ext.attention import ENV_VAR
+from fastvideo_pan2_ext.vae_kernel.portable import ops
 
 
 @pytest.fixture(autouse=True)
@@ -75,3 +77,23 @@ def pan2(tiny_ckpt):
     from fastvideo.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+def _cpu_computing_in(monkeypatch, dtype: torch.dtype) -> torch.dtype:
+    monkeypatch.setattr(ops, "cpu_has_amx_bf16", lambda: dtype == torch.bfloat16)
+    assert ops.compute_dtype(torch.device("cpu")) == dtype
+    return dtype
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32-cpu", "amx-bf16-cpu"])
+def cpu_compute(request, monkeypatch) -> torch.dtype:
+    """The portable path as it runs on either kind of CPU, whichever this one is: one without AMX-BF16 (computes in
+    fp32) and one with it (bf16). The hardware probe is replaced, in this process only."""
+    return _cpu_computing_in(monkeypatch, request.param)
+
+
+@pytest.fixture
+def fp32_cpu(monkeypatch) -> torch.dtype:
+    """The portable path as a CPU without AMX-BF16 runs it (fp32 compute, one rounding per op), whichever this one
+    is: for tests of exact math that bf16 compute would blur."""
+    return _cpu_computing_in(monkeypatch, torch.float32)

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tools import bench  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: E402
 
 
 def test_versus_fp32_workload_times_both_decodes_interleaved_and_audits_ours():
@@ -37,6 +38,8 @@ def test_versus_fp32_workload_times_both_decodes_interleaved_and_audits_ours():
         assert all(isinstance(r["op"], str) and r["op"] for r in rows)
     layouts = report["conv_layouts"]
     assert {(r["co"], r["ci"], tuple(r["kernel"])) for r in layouts} >= {(8, 8, (3, 3, 3)), (12, 8, (3, 3, 3))}
+    variants = {"fp32_channels_last", "fp32_channels_first", "bf16_channels_last"}
     for r in layouts:
-        assert r["channels_last_s"] > 0 and r["channels_first_s"] > 0
-        assert r["chosen"] == "channels_last"  # narrow convs stay channels last (weights.CPU_CHANNELS_FIRST_MIN)
+        assert all(r[f"{v}_s"] > 0 for v in variants) and r["faster"] in variants
+        # narrow convs stay channels last (weights.CPU_CHANNELS_FIRST_MIN), in the dtype this CPU computes in
+        assert r["chosen"] == f"{'bf16' if ops.cpu_has_amx_bf16() else 'fp32'}_channels_last"

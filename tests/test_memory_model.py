@@ -1,6 +1,7 @@
 """The memory planner's model of the CPU decode (`planning.memory`): `LiveBytes` counts what a decode allocates (not
 the weights it reads through views), checked against torch's own CPU allocator; the dry op table holds what each
-portable op materialises, in both weight layouts (bf16 as prepared, fp32 compute layout)."""
+portable op materialises, in both weight layouts (as prepared, and the CPU's compute layout), on either kind of CPU
+(fp32 or AMX-BF16 compute)."""
 
 from __future__ import annotations
 
@@ -42,29 +43,26 @@ def _peak(op, *args, **kwargs) -> int:
 def _real_and_dry(name: str, *args, **kwargs) -> tuple[int, int]:
     real = _peak(getattr(ops.TORCH_OPS, name), *args, **kwargs)
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-    dry = _peak(getattr(dry_ops(ops.compute_dtype(CPU)), name), *meta,
+    dry = _peak(getattr(dry_ops(CPU), name), *meta,
                 **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
     return real, dry
 
 
 def _conv_cases():
-    """(what, x, w, out shape, residual?) for the conv shapes of the decoder: 3x3x3 both layouts, 1x1, time conv."""
+    """(what, ci, co, kernel, channels first in an fp32 CPU's compute layout?) for the decoder's conv shapes."""
     wide, narrow = 512, 32
-    for what, ci, co, k, channels_first in (("wide 3x3 (channels first)", wide, wide, (3, 3, 3), True),
-                                            ("narrow 3x3", narrow, 2 * narrow, (3, 3, 3), False),
-                                            ("1x1", narrow, narrow, (1, 1, 1), False),
-                                            ("time conv", narrow, 2 * narrow, (3, 1, 1), False)):
-        w = prepare("c.weight", _bf16(co, ci, *k, seed=1) / 40)
-        for layout in ("prepared", "compute"):
-            weight = to_compute_layout(w) if layout == "compute" else w
-            assert ops.computes_channels_first(weight) == (channels_first and layout == "compute")
-            yield f"{what}, {layout}", ci, co, k, weight
+    return [("wide 3x3", wide, wide, (3, 3, 3), True), ("narrow 3x3", narrow, 2 * narrow, (3, 3, 3), False),
+            ("1x1", narrow, narrow, (1, 1, 1), False), ("time conv", narrow, 2 * narrow, (3, 1, 1), False)]
 
 
-@pytest.mark.parametrize("case", list(_conv_cases()), ids=lambda case: case[0])
+@pytest.mark.parametrize("case", _conv_cases(), ids=lambda case: case[0])
+@pytest.mark.parametrize("layout", ["prepared", "compute"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, residual):
-    _, ci, co, (kt, kh, _), w = case
+def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, layout, residual, cpu_compute):
+    _, ci, co, (kt, kh, kw), channels_first = case
+    w = prepare("c.weight", _bf16(co, ci, kt, kh, kw, seed=1) / 40)
+    w = to_compute_layout(w) if layout == "compute" else w
+    assert ops.computes_channels_first(w) == (channels_first and layout == "compute" and cpu_compute == torch.float32)
     x = _bf16(1, kt + 1, kh + 3, 5, ci, seed=2)
     out_shape = (1, 2, 4, 5, co)
     out = torch.empty(out_shape, dtype=torch.bfloat16)
@@ -74,7 +72,7 @@ def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, residual):
 
 
 @pytest.mark.parametrize("layout", ["prepared", "compute"])
-def test_dry_upsample_holds_what_the_portable_upsample_allocates(layout):
+def test_dry_upsample_holds_what_the_portable_upsample_allocates(layout, cpu_compute):
     w_sub = subpixel_weights(_bf16(48, 32, 3, 3, seed=4).float())
     w_sub = to_compute_layout(w_sub) if layout == "compute" else w_sub
     x = _bf16(3, 6, 5, 32, seed=5)
@@ -83,7 +81,7 @@ def test_dry_upsample_holds_what_the_portable_upsample_allocates(layout):
     assert real > 0 and real <= dry <= 1.02 * real, (real, dry)
 
 
-def test_dry_norm_attention_shortcut_and_unpatchify_hold_what_the_portable_ops_allocate():
+def test_dry_norm_attention_shortcut_and_unpatchify_hold_what_the_portable_ops_allocate(cpu_compute):
     x = _bf16(1, 2, 4, 5, 16, seed=6)
     checks = {
         "rms_norm_silu": _real_and_dry("rms_norm_silu", x, torch.rand(16), torch.empty_like(x)),
@@ -112,11 +110,12 @@ def _allocator_peak(run, tmp_path) -> int:
 
 
 @pytest.mark.parametrize("tile_rows", [None, 2])
-def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, tmp_path):
+def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, tmp_path, cpu_compute):
     """What the planner replays is what torch's allocator really held for the decode (beyond the returned video),
     with the weights in the CPU compute layout."""
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
-    assert ops.TORCH_OPS.cpu_compute_layout and all(w.dtype == torch.float32 for w in decoder.weights.values())
+    convs = [w for name, w in decoder.weights.items() if name.endswith(".weight") and name != "post_quant_conv.weight"]
+    assert ops.TORCH_OPS.cpu_compute_layout and all(w.dtype == cpu_compute for w in convs)
     z = latents((1, 8, 3, 7, 2), seed=7)
     video_bytes = 2 * torch.Size(decoder.output_shape(z)).numel()
     decoder.decode(z)  # the first decode's one-off allocations (oneDNN's caches) are not the decode's working memory
@@ -127,7 +126,7 @@ def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows,
 
 @pytest.mark.parametrize("frames, tile_rows, stream", [(3, None, False), (3, 2, False), (3, None, True),
                                                      (3, 4, True), (4, 2, False)])  # 4: the last pass is shorter
-def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, frames, tile_rows, stream):
+def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, frames, tile_rows, stream, cpu_compute):
     """The replay against `LiveBytes` over the real decode (`decode`, or `decode_iter` with tiles advancing
     together), beyond the returned video (decode) or the chunk handed out (decode_iter)."""
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)

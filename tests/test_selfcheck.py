@@ -55,7 +55,7 @@ def test_every_production_case_runs_on_the_kernels_within_the_allowance():
     assert all(r.report.baseline_rms_err > 0 for r in results)
 
 
-def test_subpixel_upsample_equals_nearest_upsample_then_conv_in_fp32():
+def test_subpixel_upsample_equals_nearest_upsample_then_conv_in_fp32(fp32_cpu):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 6, 7, 16, generator=g)  # 2 frames, 4 rows + 2 halo rows
     w = torch.randint(-8, 9, (8, 16, 3, 3), generator=g).float()  # small integers: the bf16 folded taps are exact

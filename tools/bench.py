@@ -31,6 +31,7 @@ effective (the direct conv's FLOPs / time) and actual (the Winograd GEMMs' FLOPs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -392,11 +393,27 @@ def bench_versus_fp32(workload: Workload, args, device: torch.device, log) -> di
     return report
 
 
+@contextlib.contextmanager
+def cpu_computing_in(dtype: torch.dtype):
+    """The portable ops as they run on a CPU that computes in `dtype` (`ops.compute_dtype`: bf16 where the CPU has
+    AMX-BF16, else fp32), whichever kind this CPU is: the probe answers for that kind."""
+    from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: PLC0415
+
+    saved = ops.cpu_has_amx_bf16
+    ops.cpu_has_amx_bf16 = lambda: dtype == torch.bfloat16
+    try:
+        yield
+    finally:
+        ops.cpu_has_amx_bf16 = saved
+
+
 def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3) -> list[dict]:
     """Each distinct conv3d of the workload's decoder (Co, Ci, kernel, at its level's size for `frames` output
-    frames), by the portable op with fp32 weights channels last and channels first (what `weights.to_compute_layout`
-    chooses between): the op's thread CPU time on one thread (its own work, whatever else the machine runs), median
-    of `repeats` after a warm-up, conversions of the bf16 activations included."""
+    frames), by the portable op as each kind of CPU runs it: in fp32 with the weights channels last and channels first
+    (what `weights.to_compute_layout` chooses between on a CPU without AMX-BF16), and in bf16 with the weights as
+    prepared, channels last (a CPU with AMX-BF16). The op's thread CPU time on one thread (its own work, whatever else
+    the machine runs), median of `repeats` after a warm-up, conversions of the bf16 activations included; `chosen`
+    is what this CPU runs."""
     from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.portable.weights import to_compute_layout  # noqa: PLC0415
@@ -420,24 +437,31 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
             x = torch.randn((1, frames + kt - 1, h + kh - 1, w, ci), generator=g).to(torch.bfloat16)
             wt = (torch.randn((co, kt, kh, kw, ci), generator=g) / (ci * kt * kh * kw) ** 0.5).to(torch.bfloat16)
             b, out = torch.zeros(co), torch.empty((1, frames, h, w, co), dtype=torch.bfloat16)
-            layouts = {"channels_last": wt.float(),
-                       "channels_first": wt.permute(0, 4, 1, 2, 3).float().contiguous().permute(0, 2, 3, 4, 1)}
+            variants = {
+                "fp32_channels_last": (torch.float32, wt.float()),
+                "fp32_channels_first": (torch.float32,
+                                        wt.permute(0, 4, 1, 2, 3).float().contiguous().permute(0, 2, 3, 4, 1)),
+                "bf16_channels_last": (torch.bfloat16, wt),
+            }
             times = {}
-            for layout, weight in layouts.items():
-                ops.conv3d(x, weight, b, out)
-                runs = []
-                for _ in range(repeats):
-                    t0 = time.thread_time()
+            for variant, (dtype, weight) in variants.items():
+                with cpu_computing_in(dtype):
                     ops.conv3d(x, weight, b, out)
-                    runs.append(time.thread_time() - t0)
-                times[layout] = statistics.median(runs)
-            chosen = "channels_first" if ops.computes_channels_first(to_compute_layout(wt)) else "channels_last"
+                    runs = []
+                    for _ in range(repeats):
+                        t0 = time.thread_time()
+                        ops.conv3d(x, weight, b, out)
+                        runs.append(time.thread_time() - t0)
+                times[variant] = statistics.median(runs)
+            mine = to_compute_layout(wt)
+            chosen = (f"{'bf16' if mine.dtype == torch.bfloat16 else 'fp32'}_channels_"
+                      f"{'first' if ops.computes_channels_first(mine) else 'last'}")
             rows.append({"layer": name, "co": co, "ci": ci, "kernel": [kt, kh, kw], "frames": frames, "rows": h,
                          "cols": w, **{f"{k}_s": v for k, v in times.items()},
                          "faster": min(times, key=times.get), "chosen": chosen})
-            log(f"    conv {ci} -> {co} k{kt}x{kh}x{kw} at {frames}x{h}x{w}: channels last "
-                f"{times['channels_last'] * 1e3:.0f} ms, channels first {times['channels_first'] * 1e3:.0f} ms "
-                f"(chosen: {chosen})")
+            log(f"    conv {ci} -> {co} k{kt}x{kh}x{kw} at {frames}x{h}x{w}: "
+                + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in times.items())
+                + f" (this CPU: {chosen.replace('_', ' ')})")
     finally:
         torch.set_num_threads(saved)
     return rows

@@ -208,13 +208,14 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def dry_ops(compute: torch.dtype) -> Ops:
+def dry_ops(device: torch.device) -> Ops:
     """An op table that computes nothing and holds, while each op runs, the temporaries the portable op (`ops.py`)
-    materialises on a device that computes in `compute` (fp32 on a CPU, bf16 on a GPU). The convs and the attention:
-    a copy in the compute dtype of each operand held in another (bf16 activations on a CPU; bf16 weights where the
-    table takes them as prepared), and the result in the compute dtype; views and the destination cost nothing. The
-    norm, the DupUp shortcut and the unpatchify compute the same on every device: the portable ops themselves run
-    (on meta tensors: shapes only)."""
+    materialises on `device`, which computes in `ops.compute_dtype(device)`. The convs and the attention: a copy in
+    the compute dtype of each operand held in another (bf16 activations on an fp32 CPU; bf16 weights where the table
+    takes them as prepared), the input with its zero rows where a conv is tiny (`ops.tiny_call_rows`), and the result
+    in the compute dtype; views and the destination cost nothing. The norm, the DupUp shortcut and the unpatchify
+    compute the same on every device: the portable ops themselves run (on meta tensors: shapes only)."""
+    compute = ops.compute_dtype(device)
     size = compute.itemsize
 
     def casts(*operands: torch.Tensor) -> int:
@@ -224,16 +225,26 @@ def dry_ops(compute: torch.dtype) -> Ops:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
 
+    def padded(x, out_spatial) -> tuple[int, float]:
+        """The bytes of a tiny conv's padded input, and how much longer its result is than the output."""
+        extra = ops.tiny_call_rows(out_spatial, device)
+        rows_in = x.shape[-3]
+        return (x.numel() // rows_in * (rows_in + extra) * x.element_size() if extra else 0,
+                (out_spatial[-2] + extra) / out_spatial[-2])
+
     def conv3d(x, w, b, out, residual=None):
-        result = out.numel() * size
-        added = result if residual is not None and compute != torch.float32 else 0  # fp32 adds the residual in place
-        hold(casts(x, w, b) + result + added)
+        copy, longer = padded(x, out.shape[1:-1])
+        result = int(out.numel() * longer) * size
+        added = out.numel() * size if residual is not None and compute != torch.float32 else 0  # fp32: in place
+        hold(copy + casts(x, w, b) + result)
+        hold(result + added)  # the inputs' copies are gone when the residual is added
 
     def upsample2x_conv3x3(x, w_sub, b, out):
         m, hi, width, _ = x.shape
         phases = 4 * w_sub.shape[2]  # the four phases' outputs over the padded low-resolution grid, and their bias
-        hold(casts(x, w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0))
-             + m * (hi - 1) * (width + 1) * phases * size)
+        copy, longer = padded(x, (hi - 1, width + 1))
+        hold(copy + casts(x, w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0))
+             + int(m * (hi - 1) * longer) * (width + 1) * phases * size)
 
     def attention(q, kv, out):
         # ... plus the score matrix a math-path softmax attention may materialise (frames x Lq x L).
@@ -274,7 +285,7 @@ class MemoryPlanner:
         _, _, t, height, width = latents_shape
         if self._meta_weights is None:
             self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
-        dry, p, s = dry_ops(ops.compute_dtype(self.device)), self.config.patch_size, self.config.spatial_scale
+        dry, p, s = dry_ops(self.device), self.config.patch_size, self.config.spatial_scale
         # The first frame, a pass whose causal history is that one frame, then one with the full history (two frames
         # at every conv): later passes repeat the third.
         passes = latent_passes(t, frames_per_pass)[:3]

@@ -17,14 +17,17 @@ Layout rules every op may rely on (and every replacement must honour):
   That is what makes ranks, bands and tiles one mechanism: an op never knows whether its rows are the whole frame.
 - Weights come prepared once by `weights.prepare` (layouts documented there): conv weights bf16 [Co, kt, kh, kw, Ci],
   biases fp32 [Co], RMS-norm gammas fp32 [C] already multiplied by sqrt(C), sub-pixel upsample weights bf16
-  [2, 2, Co, 2, 2, Ci]. On a CPU `weights.load` holds them as fp32 of the same values (the dtype the CPU computes
-  in, converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); the portable ops take both.
+  [2, 2, Co, 2, 2, Ci]. On a CPU that computes in fp32 (`compute_dtype`) `weights.load` holds them as fp32 of the
+  same values (converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); the portable ops
+  take both.
 - Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -36,10 +39,20 @@ _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (1
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bf16 convs on AMX tiles (Intel Xeon 4th generation, Sapphire Rapids, and later).
+    Tests that need the other kind of CPU replace this probe."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+
+
 def compute_dtype(device: torch.device) -> torch.dtype:
-    # Most CPUs have no fast bf16 conv kernel (measured: 70x slower than fp32 on an AVX2 EPYC), so the CPU path
-    # computes in fp32 on bf16-rounded inputs: the same products, fp32 accumulation, one rounding on store.
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+    """The dtype the convs and attention compute in (products of bf16 values, fp32 accumulation, one rounding on
+    store either way): bf16 on a GPU and on a CPU with AMX-BF16, where oneDNN's bf16 conv is 2-7x faster than its fp32
+    one at the real decoder's widths (docs/benchmarks.md); fp32 on other CPUs, which have no fast bf16 conv (measured:
+    70x slower than fp32 on an AVX2 EPYC)."""
+    return torch.bfloat16 if device.type != "cpu" or cpu_has_amx_bf16() else torch.float32
 
 
 def _is_channels_first(w: torch.Tensor) -> bool:
@@ -58,6 +71,23 @@ def _as(t: torch.Tensor, dtype: torch.dtype, layout: torch.memory_format) -> tor
     return t.to(dtype) if t.is_contiguous(memory_format=layout) else t.to(dtype, memory_format=layout)
 
 
+# oneDNN runs a bf16 conv whose output image has at most 4 pixels on AVX512-BF16 instead of AMX (measured), and the two
+# sum in different orders: rows computed in such a call (a one-row band of a narrow frame) would differ from the same
+# rows computed in a bigger call. So a CPU bf16 conv is never called on fewer output pixels per image than this.
+MIN_BF16_CPU_PIXELS = 64
+
+
+def tiny_call_rows(out_spatial, device: torch.device) -> int:
+    """The zero input rows `_conv` appends to a conv on `device` whose output image has extents `out_spatial`
+    ([frames,] rows, cols): on a CPU computing in bf16, as many as give the call MIN_BF16_CPU_PIXELS output pixels per
+    image (their outputs are dropped); else, and for any call as big as that, 0."""
+    if device.type != "cpu" or compute_dtype(device) != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return 0
+    rows = out_spatial[-2]
+    per_row = math.prod(out_spatial) // rows
+    return max(0, -(-MIN_BF16_CPU_PIXELS // per_row) - rows)
+
+
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int]) -> torch.Tensor:
     """A stride-1 conv of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels last). On CPU it
     computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
@@ -69,9 +99,16 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int])
     dtype = compute_dtype(x.device)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
+        rows = x.shape[-2] - w.shape[-2] + 1
+        extra = tiny_call_rows([s - k + 1 + 2 * p for s, k, p in zip(x.shape[2:], w.shape[2:], padding)], x.device)
+        if extra:  # a channels-last copy of x with `extra` zero rows below
+            padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + extra, x.shape[-1], x.shape[1]))
+            padded.movedim(-1, 1)[..., :-extra, :].copy_(x)
+            x = padded.movedim(-1, 1)
         x, w = _as(x, dtype, layout), _as(w, dtype, layout)
         ones = [1] * len(padding)
-        return torch.mkldnn_convolution(x, w, b.to(dtype), padding, ones, ones, 1)
+        y = torch.mkldnn_convolution(x, w, b.to(dtype), padding, ones, ones, 1)
+        return y[..., :rows, :] if extra else y
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
     return conv(x, w, b, padding=padding)

@@ -11,12 +11,13 @@
 | bias [Co]                                | fp32 [Co]                                                           |
 | RMS-norm gamma [C, 1, 1(, 1)]            | fp32 [C], multiplied by sqrt(C) (Wan's RMS_norm scale)              |
 
-On a CPU, which computes the convs in fp32 (`ops._conv`), `load` goes one step further (`to_compute_layout`): the
-bf16 weights are held as fp32 (the same bf16-rounded values, converted once here instead of on every call), and the
-3x3 convs whose input and output both have at least `CPU_CHANNELS_FIRST_MIN` channels are laid out channels first
-(the same logical [Co, kt, kh, kw, Ci], strides of a contiguous [Co, Ci, kt, kh, kw]), which the conv op follows:
-oneDNN runs those shapes faster channels first, the narrower and 1x1 ones channels last (measured per shape:
-bench/results/cpu-conv-layouts-2026-12-01.json).
+On a CPU that computes the convs in fp32 (`ops.compute_dtype`: one without AMX-BF16), `load` goes one step further
+(`to_compute_layout`): the bf16 weights are held as fp32 (the same bf16-rounded values, converted once here instead
+of on every call), and the 3x3 convs whose input and output both have at least `CPU_CHANNELS_FIRST_MIN` channels are
+laid out channels first (the same logical [Co, kt, kh, kw, Ci], strides of a contiguous [Co, Ci, kt, kh, kw]), which
+the conv op follows: oneDNN's fp32 conv runs those shapes faster channels first, the narrower and 1x1 ones channels
+last (measured per shape: bench/results/cpu-conv-layouts-2026-12-01.json). A CPU with AMX-BF16 computes in bf16, as a
+GPU does, and its convs are fastest channels last at every shape: it takes the weights as prepared.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ..definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
 from ..definitions.precision import own_arithmetic
+from . import ops
 
 # Taps of nearest-2x + 3x3 conv seen from the low-resolution input: output phase a reads low-res offsets (a - 1, a)
 # with kernel rows combined as below (phase 0: w0 | w1 + w2; phase 1: w0 + w1 | w2).
@@ -61,9 +63,9 @@ CPU_CHANNELS_FIRST_MIN = 512
 
 
 def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
-    """A prepared tensor as the CPU conv computes with it (see the module docstring): bf16 -> fp32 holding the same
-    values; wide 3x3 conv weights re-laid channels first."""
-    if prepared.dtype != torch.bfloat16:
+    """A prepared tensor as the CPU conv computes with it (see the module docstring): where the CPU computes in fp32,
+    bf16 -> fp32 holding the same values and wide 3x3 conv weights re-laid channels first; else as prepared."""
+    if prepared.dtype != torch.bfloat16 or ops.compute_dtype(prepared.device) == torch.bfloat16:
         return prepared
     wide = min(prepared.shape[0], prepared.shape[-1]) >= CPU_CHANNELS_FIRST_MIN
     if prepared.dim() == 5 and prepared.shape[2] == 3 and wide:
