@@ -5,6 +5,12 @@ for every frames_per_pass and tile size, on either kind of CPU."""
 
 from __future__ import annotations
 
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _decoder_allowance import check_allowance
@@ -17,10 +23,12 @@ from fastvideo_pan2_ext.vae_kernel.portable.weights import (
     CPU_CHANNELS_FIRST_MIN,
     load,
     prepare,
+    subpixel_weights,
     to_compute_layout,
 )
 
 
+REPO = Path(__file__).resolve().parent.parent
 AMX_BF16 = ops.cpu_has_amx_bf16()  # this CPU's own answer (the `cpu_compute` fixture replaces the probe)
 
 
@@ -44,6 +52,14 @@ def test_cpu_weights_are_held_in_the_compute_dtype_wide_3x3_convs_channels_first
             assert cpu.is_contiguous(), what
     gamma = torch.rand(8)
     assert to_compute_layout(gamma) is gamma  # fp32 tensors are left as prepared
+
+
+def test_load_prepacks_every_conv_weight_where_the_cpu_computes_in_bf16(wan22_state_dict, cpu_compute):
+    _, prepared = load(wan22_state_dict, torch.device("cpu"), cpu_compute_layout=True)
+    convs = [name for name, t in prepared.items() if t.dim() >= 5 and name != "post_quant_conv.weight"]
+    assert len(convs) > 30 and any(prepared[name].dim() == 6 for name in convs)  # the upsamplers' sub-pixel weights
+    assert [name for name in convs if ops.prepacked(prepared[name])] == (convs if cpu_compute == torch.bfloat16 else [])
+    assert not ops.prepacked(prepared["post_quant_conv.weight"])  # applied by the decoder itself, in fp32
 
 
 def test_conv3d_gives_the_same_result_from_either_weight_layout_and_dtype_within_rounding(cpu_compute):
@@ -90,3 +106,70 @@ def test_wide_decoder_runs_its_layouts_within_the_allowance_for_every_pass_and_t
         check_allowance(video, ref32, release)
         diff = (video.float() - videos[1].float()).abs().max().item()
         assert diff <= 2 ** -7, f"{what} differs from the frame-by-frame decode by {diff}"
+
+
+def test_tiny_call_rows_pad_a_cpu_bf16_conv_to_the_minimum_pixels(cpu_compute):
+    cpu, rows = torch.device("cpu"), ops.tiny_call_rows
+    if cpu_compute == torch.float32:
+        assert rows((1, 1, 3), cpu) == 0
+        return
+    assert rows((1, 1, 3), cpu) == 21 and (1 + 21) * 3 >= ops.MIN_BF16_CPU_PIXELS  # 22 rows of 3 pixels
+    assert rows((2, 3, 4), cpu) == 5  # 2 frames x 8 rows x 4 pixels = 64
+    assert rows((2, 8, 4), cpu) == 0 and rows((7, 13), cpu) == 0  # big enough already (one image of 91 pixels)
+    assert rows((1, 1, 3), torch.device("meta")) == 0  # a GPU (or the planner's meta tensors) never pads
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="a CPU without AMX-BF16 computes in fp32 and never pads a call")
+def test_a_one_row_band_of_a_narrow_frame_gives_the_rows_the_whole_frame_gives():
+    """oneDNN runs a bf16 conv of at most 4 output pixels per image on AVX512-BF16 instead of AMX, which sums in
+    another order; padded to MIN_BF16_CPU_PIXELS, every tiny call takes the AMX kernel, so bands and passes of any
+    size give the whole frame's rows bit for bit, at every conv shape of the decoder (3x3x3, time conv, 1x1, the
+    sub-pixel upsample)."""
+    for ci, co, (kt, kh, kw) in [(16, 16, (3, 3, 3)), (64, 64, (3, 3, 3)), (32, 64, (3, 1, 1)), (32, 64, (1, 1, 1)),
+                                 (16, 12, (3, 3, 3))]:
+        for width in (1, 3):
+            x = _bf16(1, 4 + kt - 1, 8 + kh - 1, width, ci, seed=ci + width)
+            w = prepare("c.weight", _bf16(co, ci, kt, kh, kw, seed=co) / (ci * kt * kh * kw) ** 0.5)
+            ops.prepack(w)  # as `weights.load` does
+            b = torch.randn(co, generator=torch.Generator().manual_seed(3))
+            whole = torch.empty(1, 4, 8, width, co, dtype=torch.bfloat16)
+            ops.conv3d(x, w, b, whole)
+            for frames, rows in [(1, 1), (1, 2), (2, 1), (3, 4)]:
+                part = torch.empty(1, frames, rows, width, co, dtype=torch.bfloat16)
+                ops.conv3d(x[:, :frames + kt - 1, :rows + kh - 1].contiguous(), w, b, part)
+                assert torch.equal(part, whole[:, :frames, :rows]), (ci, co, kt, kh, width, frames, rows)
+    w_sub = subpixel_weights(_bf16(64, 64, 3, 3, seed=5).float() / 24)
+    ops.prepack(w_sub)
+    x, b = _bf16(4, 10, 2, 64, seed=6), torch.randn(64, generator=torch.Generator().manual_seed(7))
+    whole = torch.empty(4, 16, 4, 64, dtype=torch.bfloat16)
+    ops.upsample2x_conv3x3(x, w_sub, b, whole)
+    for frames, (r0, r1) in [(1, (0, 1)), (2, (3, 4)), (4, (2, 6))]:
+        part = torch.empty(frames, 2 * (r1 - r0), 4, 64, dtype=torch.bfloat16)
+        ops.upsample2x_conv3x3(x[:frames, r0:r1 + 2].contiguous(), w_sub, b, part)
+        assert torch.equal(part, whole[:frames, 2 * r0:2 * r1]), (frames, r0, r1)
+
+
+_EVERY_CONV_OF_A_BANDED_DECODE = """
+import torch
+from _vae_helpers import random_wan22_decoder_weights
+from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+torch.set_num_threads(1)
+sd = random_wan22_decoder_weights(seed=3, z_dim=4, decoder_base_dim=16)
+z = torch.randn((1, 4, 2, 3, 1), generator=torch.Generator().manual_seed(4))
+WanVAEDecoder(sd, device="cpu", frames_per_pass=1, backend="torch", tile_rows=1).decode(z)
+"""
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="a CPU without AMX-BF16 computes in fp32 and never pads a call")
+def test_every_conv_of_a_one_row_banded_decode_takes_onednns_amx_kernel():
+    """The mechanism behind the test above, which rounding luck could pass: oneDNN names the kernel of every conv it
+    runs (ONEDNN_VERBOSE). Decoded in 1-row tiles of a frame 1 latent pixel wide, frame by frame, every call is as
+    small as a decode makes them, and each must still run on AMX."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    run = subprocess.run([sys.executable, "-c", _EVERY_CONV_OF_A_BANDED_DECODE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    kernels = collections.Counter(line.split(",")[6] for line in run.stdout.splitlines()
+                                  if line.startswith("onednn_verbose") and ",exec,cpu,convolution," in line)
+    assert sum(kernels.values()) > 50, kernels
+    assert all("amx" in kernel for kernel in kernels), kernels

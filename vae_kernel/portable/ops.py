@@ -33,6 +33,7 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
 _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
@@ -88,7 +89,48 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
     return max(0, -(-MIN_BF16_CPU_PIXELS // per_row) - rows)
 
 
-def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int]) -> torch.Tensor:
+# A prepared CPU conv weight -> oneDNN's blocked copy of it (`prepack`), so that its conv does not reorder the weight on
+# every call (measured: 17% of the real decoder's conv time on a CPU with AMX-BF16). An entry lives as its weight does.
+_PACKED = WeakTensorKeyDictionary()
+_REORDER = getattr(torch.ops.mkldnn, "_reorder_convolution_weight", None)
+
+
+def _conv3d_weight(w: torch.Tensor) -> torch.Tensor:
+    """A prepared conv3d weight [Co, kt, kh, kw, Ci] as the conv's [Co, Ci, kt, kh, kw] view."""
+    return w.permute(0, 4, 1, 2, 3)
+
+
+def _subpixel_weight(w_sub: torch.Tensor) -> torch.Tensor:
+    """The sub-pixel weights [2, 2, Co, 2, 2, Ci] as one 2x2 conv's [4 Co, Ci, 2, 2] view (see upsample2x_conv3x3)."""
+    return w_sub.reshape(4 * w_sub.shape[2], 2, 2, -1).permute(0, 3, 1, 2)
+
+
+def _padding(w: torch.Tensor) -> list[int]:
+    return [0, 1] if w.dim() == 6 else [0, 0, w.shape[3] // 2]
+
+
+def prepack(w: torch.Tensor) -> None:
+    """On a CPU computing in bf16, keep oneDNN's blocked copy of a prepared conv weight (conv3d's or the upsample's:
+    `weights.load` calls this) for the convs to use instead of reordering it on every call (the real decode 1.7x
+    faster, bit for bit the same video: docs/benchmarks.md). The blocking is chosen for a nominal input; where a
+    call's primitive wants another, oneDNN reorders as before."""
+    view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
+    if (w.device.type != "cpu" or _REORDER is None or not torch.backends.mkldnn.is_available()
+            or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
+        return  # measured on bf16 only (an fp32 conv from packed weights runs another kernel: other sums)
+    padding = _padding(w)
+    ones = [1] * len(padding)
+    nominal = [1, view.shape[1], *(k + 15 for k in view.shape[2:])]
+    _PACKED[w] = _REORDER(view, padding, ones, ones, 1, nominal)
+
+
+def prepacked(w: torch.Tensor) -> bool:
+    """Whether `prepack` keeps a blocked copy of the prepared conv weight w."""
+    return w in _PACKED
+
+
+def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
+          packed: torch.Tensor | None = None) -> torch.Tensor:
     """A stride-1 conv of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels last). On CPU it
     computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
     carry the per-shape choice), else channels last; on a GPU channels last. The result is in that layout.
@@ -105,9 +147,11 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int])
             padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + extra, x.shape[-1], x.shape[1]))
             padded.movedim(-1, 1)[..., :-extra, :].copy_(x)
             x = padded.movedim(-1, 1)
-        x, w = _as(x, dtype, layout), _as(w, dtype, layout)
-        ones = [1] * len(padding)
-        y = torch.mkldnn_convolution(x, w, b.to(dtype), padding, ones, ones, 1)
+        x, ones = _as(x, dtype, layout), [1] * len(padding)
+        if packed is not None:
+            y = torch.ops.mkldnn._convolution_pointwise(x, packed, b.to(dtype), padding, ones, ones, 1, "none", [], "")
+        else:
+            y = torch.mkldnn_convolution(x, _as(w, dtype, layout), b.to(dtype), padding, ones, ones, 1)
         return y[..., :rows, :] if extra else y
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
@@ -128,7 +172,7 @@ def conv3d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     Valid in time and rows, zero 'same' padding (kw // 2 each side) in width, stride 1. Covers the causal 3x3x3 convs,
     the (3,1,1) time conv of the temporal upsampler and the 1x1x1 convs (shortcuts, attention projections).
     """
-    y = _conv(x.permute(0, 4, 1, 2, 3), w.permute(0, 4, 1, 2, 3), b, [0, 0, w.shape[3] // 2])
+    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, _padding(w), _PACKED.get(w))
     y = y.permute(0, 2, 3, 4, 1)
     if residual is not None:
         y = y.add_(residual) if y.dtype == torch.float32 else y + residual
@@ -165,7 +209,7 @@ def upsample2x_conv3x3(x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, ou
     rows = hi - 2
     # One 2x2 conv with 4*Co outputs (one group per phase) over x padded by one column each side; phase (a, c) of
     # output pixel (i, j) is that conv's output at position (i + a, j + c).
-    y = _conv(x.permute(0, 3, 1, 2), w_sub.reshape(4 * co, 2, 2, -1).permute(0, 3, 1, 2), b.repeat(4), [0, 1])
+    y = _conv(x.permute(0, 3, 1, 2), _subpixel_weight(w_sub), b.repeat(4), _padding(w_sub), _PACKED.get(w_sub))
     y = y.permute(0, 2, 3, 1).view(m, rows + 1, width + 1, 2, 2, co)
     for a in range(2):
         for c in range(2):

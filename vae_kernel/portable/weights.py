@@ -108,6 +108,9 @@ def load(vae_or_state_dict, device: torch.device,
         prepared = {name: prepare(name, t.to(device)) for name, t in tensors.items()}
         if device.type == "cpu" and cpu_compute_layout:
             prepared = {name: to_compute_layout(t) for name, t in prepared.items()}
+            for name, t in prepared.items():
+                if t.dim() >= 5 and name != "post_quant_conv.weight":  # the convs the ops run
+                    ops.prepack(t)
         return config, prepared
 
 
