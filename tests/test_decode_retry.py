@@ -194,17 +194,21 @@ def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_p
 
     target = tmp_path / "out" / "video.mp4"
     target.parent.mkdir()
-    mkldnn_conv = torch.mkldnn_convolution
     seen_at_failure = []
 
-    def conv(x, w, *args):  # the torch conv the portable ops call: more than 4 frames out of memory
-        frames = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
-        if frames > 4:
-            seen_at_failure.append(target.exists())
-            raise torch.OutOfMemoryError(f"injected: {frames} frames")
-        return mkldnn_conv(x, w, *args)
+    def out_of_memory_above_4_frames(real):  # a torch conv the portable ops call, out of memory past 4 frames out
+        def conv(x, w, *args):
+            frames = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
+            if frames > 4:
+                seen_at_failure.append(target.exists())
+                raise torch.OutOfMemoryError(f"injected: {frames} frames")
+            return real(x, w, *args)
+        return conv
 
-    monkeypatch.setattr(torch, "mkldnn_convolution", conv)
+    # oneDNN's conv from the prepared weights, or from the prepacked ones (a CPU computing in bf16: `ops.prepack`)
+    monkeypatch.setattr(torch, "mkldnn_convolution", out_of_memory_above_4_frames(torch.mkldnn_convolution))
+    monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise",
+                        out_of_memory_above_4_frames(torch.ops.mkldnn._convolution_pointwise))
     vae = _fastvideo_vae(wan22_vae, 2)
     loggers = [logging.getLogger(name) for name in (streamed_save.__name__, "fastvideo_pan2_ext.vae_kernel.decoder")]
     for logger in loggers:  # FastVideo's logging setup does not propagate to the root logger

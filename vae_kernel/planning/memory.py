@@ -202,7 +202,8 @@ class LiveBytes(TorchDispatchMode):
 
 def _tensors(value):
     if isinstance(value, torch.Tensor):
-        yield value
+        if not value.is_mkldnn:  # an opaque tensor (a prepacked weight, `ops.prepack`) has no storage to count
+            yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
@@ -267,7 +268,8 @@ class MemoryPlanner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for w in self._weights.values())
+        """The weights' bytes; a prepacked one (`ops.prepack`) is held twice: as prepared and in oneDNN's blocking."""
+        return sum(w.numel() * w.element_size() * (2 if ops.prepacked(w) else 1) for w in self._weights.values())
 
     def peak_bytes(self, latents_shape, frames_per_pass: int, tile_rows: int | None = None,
                    stream: bool = False) -> int:
