@@ -1,7 +1,8 @@
 """The CPU compute layout (`weights.to_compute_layout`): on a CPU that computes in fp32, fp32 weights holding the bf16
-values, the wide 3x3 convs channels first; on one with AMX-BF16, the weights as prepared (bf16, channels last). A
-decoder wide enough to run both fp32 layouts stays within the allowance and gives the same video, to one bf16 step,
-for every frames_per_pass and tile size, on either kind of CPU."""
+values, the wide 3x3 convs channels first; on one with AMX-BF16, the weights as prepared (bf16, channels last) and
+prepacked for oneDNN, every conv on AMX however small. A decoder wide enough to run both fp32 layouts stays within
+the allowance and gives the same video for every frames_per_pass and tile size: bit for bit in bf16, to one bf16
+step in fp32."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def wide_model():
     return sd, z, reference.decode(z, sd, torch.float32), reference.decode(z.to(torch.bfloat16), sd, torch.bfloat16)
 
 
-def test_wide_decoder_runs_its_layouts_within_the_allowance_for_every_pass_and_tile(wide_model, cpu_compute):
+def test_wide_decoder_gives_the_same_video_within_the_allowance_for_every_pass_and_tile(wide_model, cpu_compute):
     if cpu_compute == torch.bfloat16 and not AMX_BF16:
         pytest.skip("a CPU without AMX-BF16 never decodes in bf16 (and its bf16 convs take minutes here)")
     sd, z, ref32, release = wide_model
@@ -102,10 +103,12 @@ def test_wide_decoder_runs_its_layouts_within_the_allowance_for_every_pass_and_t
         assert not channels_first
     videos = {fp: WanVAEDecoder(sd, device="cpu", frames_per_pass=fp, backend="torch").decode(z) for fp in (1, 4)}
     videos["tiles"] = WanVAEDecoder(sd, device="cpu", frames_per_pass=2, backend="torch", tile_rows=1).decode(z)
+    # oneDNN's fp32 conv picks its kernel by the extents at 512 channels: one bf16 step; its AMX bf16 conv does not
+    bound = 2 ** -7 if cpu_compute == torch.float32 else 0.0
     for what, video in videos.items():
         check_allowance(video, ref32, release)
         diff = (video.float() - videos[1].float()).abs().max().item()
-        assert diff <= 2 ** -7, f"{what} differs from the frame-by-frame decode by {diff}"
+        assert diff <= bound, f"{what} differs from the frame-by-frame decode by {diff}"
 
 
 def test_tiny_call_rows_pad_a_cpu_bf16_conv_to_the_minimum_pixels(cpu_compute):

@@ -18,8 +18,8 @@ Layout rules every op may rely on (and every replacement must honour):
 - Weights come prepared once by `weights.prepare` (layouts documented there): conv weights bf16 [Co, kt, kh, kw, Ci],
   biases fp32 [Co], RMS-norm gammas fp32 [C] already multiplied by sqrt(C), sub-pixel upsample weights bf16
   [2, 2, Co, 2, 2, Ci]. On a CPU that computes in fp32 (`compute_dtype`) `weights.load` holds them as fp32 of the
-  same values (converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); the portable ops
-  take both.
+  same values (converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); on one computing in
+  bf16 it prepacks them for oneDNN (`prepack`); the portable ops take every form.
 - Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores.
 """
 
@@ -268,9 +268,9 @@ class Ops:
     `fallbacks` counts, per op and reason, the calls a compiled table handed to the portable op (empty here);
     `row_multiple`: bands and tiles must start on a multiple of this many rows at every level for the ops to give
     the same result as on the whole frame (Winograd pairs output rows into 2x2 tiles counted from the frame's top;
-    direct convs do not care); `cpu_compute_layout`: on a CPU the table takes its weights in the layout the portable
-    convs compute in (`weights.to_compute_layout`: fp32, wide convs channels first); compiled tables take them as
-    prepared (bf16, channels last)."""
+    direct convs do not care); `cpu_compute_layout`: on a CPU the table takes its weights in the form the portable
+    convs compute with (`weights.to_compute_layout`, `prepack`); compiled tables take them as prepared (bf16,
+    channels last)."""
 
     name: str
     conv3d: Callable[..., None]

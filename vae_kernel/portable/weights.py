@@ -17,7 +17,8 @@ of on every call), and the 3x3 convs whose input and output both have at least `
 laid out channels first (the same logical [Co, kt, kh, kw, Ci], strides of a contiguous [Co, Ci, kt, kh, kw]), which
 the conv op follows: oneDNN's fp32 conv runs those shapes faster channels first, the narrower and 1x1 ones channels
 last (measured per shape: bench/results/cpu-conv-layouts-2026-12-01.json). A CPU with AMX-BF16 computes in bf16, as a
-GPU does, and its convs are fastest channels last at every shape: it takes the weights as prepared.
+GPU does, and its convs are fastest channels last at every shape: it takes the weights as prepared, and `load`
+prepacks each conv's weight for oneDNN (`ops.prepack`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def checked(vae_or_state_dict) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
 def load(vae_or_state_dict, device: torch.device,
          cpu_compute_layout: bool = True) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
     """Validate the weights (or take `checked`'s result) and prepare them on `device` (on a CPU in its compute
-    layout, `to_compute_layout`, unless the op table takes them as prepared: `Ops.cpu_compute_layout`)."""
+    layout, `to_compute_layout`, and the convs' weights prepacked, `ops.prepack`, unless the op table takes them as
+    prepared: `Ops.cpu_compute_layout`)."""
     config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else checked(vae_or_state_dict)
     with own_arithmetic(device):
         prepared = {name: prepare(name, t.to(device)) for name, t in tensors.items()}
