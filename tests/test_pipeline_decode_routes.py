@@ -312,3 +312,17 @@ def test_pan2_switches_are_views_of_the_vae_config_and_the_old_name_still_works(
     assert old.vae_decode_frames_per_pass == old.vae_config.decode_frames_per_pass == 2
     with pytest.raises(ValueError, match=r"vae_decode_frames_per_pass must be 'auto' or an int >= 1; got 0"):
         PAN2PipelineConfig(vae_decode_frames_per_pass=0)
+
+
+def test_a_request_of_the_wrong_type_in_batch_extra_is_a_clear_error(pan2, tiny_ckpt, tmp_path):
+    from fastvideo_pan2_ext.integration import decode_failure
+
+    pipeline, args = pan2
+    for key, wrong, expected in ((streamed_save.KEY, str(tmp_path / "x.mp4"), "StreamedSaveRequest"),
+                                 (decode_failure.REQUEST_KEY, {"output": "x.mp4"}, "KeepLatentsRequest")):
+        batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
+        batch.latents = LATENTS.clone()
+        batch.extra[key] = wrong
+        with _config(args, vae_decode_kernel=True), pytest.raises(
+                TypeError, match=rf"batch.extra\['{key}'\] must be a {expected}; got {type(wrong).__name__}"):
+            pipeline._stage_name_mapping["decoding_stage"](batch, args)

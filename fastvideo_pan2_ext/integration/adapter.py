@@ -363,6 +363,15 @@ def with_batch_extra(kwargs: dict, key: str, value) -> dict:
     return {**kwargs, "_extra_overrides": {**kwargs.get("_extra_overrides", {}), key: value}}
 
 
+def batch_extra(batch, key: str, cls: type):
+    """The `cls` the parent put into this batch's `batch.extra[key]` (`with_batch_extra`), or None where it put none
+    (TypeError for anything else)."""
+    value = (batch.extra or {}).get(key)
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"batch.extra[{key!r}] must be a {cls.__name__}; got {type(value).__name__}")
+    return value
+
+
 def local_torch_device():
     """This rank's device, as FastVideo's stages place tensors."""
     return symbol("get_local_torch_device")()

@@ -42,14 +42,6 @@ class KeepLatentsRequest:
         return cls(os.path.abspath(output), float(fps))  # the worker's folder need not be the parent's
 
 
-def request_in(batch) -> KeepLatentsRequest | None:
-    """Where the parent asked this batch to keep its latents, if it did."""
-    request = (batch.extra or {}).get(REQUEST_KEY)
-    if request is not None and not isinstance(request, KeepLatentsRequest):
-        raise TypeError(f"batch.extra[{REQUEST_KEY!r}] must be a KeepLatentsRequest; got {type(request).__name__}")
-    return request
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeFailure:
     """Worker -> parent: the decode failed with `error`; its latents are in `latents` (None: keeping them failed too,

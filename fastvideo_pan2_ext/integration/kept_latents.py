@@ -53,7 +53,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
     the latents beside `request.output` (rank 0) and return the batch with a placeholder output and the failure for
     the parent."""
     vae = stage.vae
-    output = os.path.abspath(request.output)  # the line and the file must work from any folder
+    output = request.output  # absolute (`KeepLatentsRequest.beside`): the line and the file work from any folder
     path = latents_file.path_for(output)
     source = str(fastvideo_args.model_path)
     source = os.path.abspath(source) if os.path.exists(source) else source  # a hub id stays one

@@ -54,8 +54,8 @@ class PAN2DecodingStage(adapter.symbol("DecodingStage")):
 
     def forward(self, batch, fastvideo_args):
         fastvideo_args.pipeline_config.check_vae_options()  # again: FastVideo may set fields after construction
-        request = streamed_save.request_in(batch)
-        keeping = decode_failure.request_in(batch)
+        request = adapter.batch_extra(batch, streamed_save.KEY, streamed_save.StreamedSaveRequest)
+        keeping = adapter.batch_extra(batch, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest)
         if request is not None and fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
         try:

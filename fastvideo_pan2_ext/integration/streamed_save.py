@@ -55,14 +55,6 @@ class StreamedSaveRequest:
     fps: float
 
 
-def request_in(batch) -> StreamedSaveRequest | None:
-    """The streamed save the parent asked of this batch, if any."""
-    request = (batch.extra or {}).get(KEY)
-    if request is not None and not isinstance(request, StreamedSaveRequest):
-        raise TypeError(f"batch.extra[{KEY!r}] must be a StreamedSaveRequest; got {type(request).__name__}")
-    return request
-
-
 def empty_output(batch_size: int, height: int, width: int) -> torch.Tensor:
     """What the decoding stage hands FastVideo after a streamed save: FastVideo requires a [B, 3, F, H, W] output
     tensor, and with its own save off and no frames returned it reads nothing of it but the geometry; the frames are
