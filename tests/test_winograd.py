@@ -4,6 +4,8 @@ caches as documented. The error study behind the numbers is tools/winograd_error
 
 from __future__ import annotations
 
+import gc
+
 
 import pytest
 import torch
@@ -82,6 +84,9 @@ def test_table_runs_3x3_convs_by_winograd_and_the_rest_direct_with_weights_trans
         TORCH_OPS.conv3d(x, wk, b, e)
         assert torch.equal(a, e)
     assert len(conv.cache) == 1
+    del w  # the cache holds no weight alive: its entry goes with the weight
+    gc.collect()
+    assert len(conv.cache) == 0
 
 
 @pytest.mark.parametrize("keep_direct", [[(8, 8, 3)], lambda co, ci, kt: ci == 8])

@@ -171,8 +171,9 @@ def test_a_narrow_decode_through_the_kernel_path_equals_the_portable_winograd_de
     z = torch.randn(1, 8, 3, 5, 7, generator=torch.Generator().manual_seed(7))
     kernel_table = make_ops(EmulatedExtension(), winograd_convs=True)
     portable_table = winograd.winograd_ops(make_ops(EmulatedExtension()), tile=2)
-    videos = [WanVAEDecoder(state_dict, device="cpu", local=True, backend=table, frames_per_pass=2).decode(z)
-              for table in (kernel_table, portable_table)]
+    decoders = [WanVAEDecoder(state_dict, device="cpu", local=True, backend=table, frames_per_pass=2)
+                for table in (kernel_table, portable_table)]  # alive: the transformed weights live as theirs do
+    videos = [decoder.decode(z) for decoder in decoders]
     assert torch.equal(videos[0], videos[1])
     assert not kernel_table.fallbacks and len(kernel_table.conv3d.cache) == 30
     report = compare_to_reference("kernel-path F(2x2) decode", videos[0],

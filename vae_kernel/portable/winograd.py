@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 # The Lavin-Gray matrices (interpolation points 0, +-1 for m = 2; 0, +-1, +-2 for m = 4; plus infinity).
 _B_T = {
@@ -209,9 +210,8 @@ class WinogradConv3d:
     """ops.conv3d with (kt, 3, 3) convs by Winograd and everything else by `direct` (the base table's conv3d).
 
     `keep_direct`: layer shapes (Co, Ci, kt) that stay direct, or a predicate on them (e.g. where a tile size is
-    outside the error allowance). Transformed weights are computed once per weight tensor and kept, with a reference
-    to the weight (so its address cannot be reused while the entry lives) and its version (an in-place update
-    recomputes them).
+    outside the error allowance). Transformed weights are computed once per weight tensor and kept as long as it
+    lives (a weak reference), with its version (an in-place update recomputes them).
 
     `conv(x, u, b, out, residual)` runs the Winograd conv on `u = transform(w)`: by default this module's
     `conv3d_winograd` and `winograd_weights` for `tile`; the compiled path passes its kernels and their weight
@@ -231,18 +231,17 @@ class WinogradConv3d:
         else:
             shapes = frozenset(tuple(s) for s in keep_direct)
             self.keep_direct = lambda co, ci, kt: (co, ci, kt) in shapes
-        self.cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # weight -> (its version, transformed)
 
     def uses_winograd(self, w: torch.Tensor) -> bool:
         co, kt, kh, kw, ci = w.shape
         return kh == kw == 3 and not self.keep_direct(co, ci, kt)
 
     def transformed(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
-        entry = self.cache.get(key)
-        if entry is None or entry[1] != w._version:
-            entry = self.cache[key] = (w, w._version, self.transform(w))
-        return entry[2]
+        entry = self.cache.get(w)
+        if entry is None or entry[0] != w._version:
+            entry = self.cache[w] = (w._version, self.transform(w))
+        return entry[1]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                  residual: torch.Tensor | None = None) -> None:
