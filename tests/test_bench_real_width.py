@@ -40,6 +40,7 @@ def test_versus_fp32_workload_times_both_decodes_interleaved_and_audits_ours():
     assert {(r["co"], r["ci"], tuple(r["kernel"])) for r in layouts} >= {(8, 8, (3, 3, 3)), (12, 8, (3, 3, 3))}
     variants = {"fp32_channels_last", "fp32_channels_first", "bf16_channels_last"}
     for r in layouts:
-        assert all(r[f"{v}_s"] > 0 for v in variants) and r["faster"] in variants
+        assert all(r[f"{v}_s"] > 0 for v in variants) and r["faster"] in variants and r["diffusers_fp32_s"] > 0
+        assert r["chosen_vs_diffusers"] == r["diffusers_fp32_s"] / r[f"{r['chosen']}_s"]
         # narrow convs stay channels last (weights.CPU_CHANNELS_FIRST_MIN), in the dtype this CPU computes in
         assert r["chosen"] == f"{'bf16' if ops.cpu_has_amx_bf16() else 'fp32'}_channels_last"

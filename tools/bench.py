@@ -411,9 +411,10 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
     """Each distinct conv3d of the workload's decoder (Co, Ci, kernel, at its level's size for `frames` output
     frames), by the portable op as each kind of CPU runs it: in fp32 with the weights channels last and channels first
     (what `weights.to_compute_layout` chooses between on a CPU without AMX-BF16), and in bf16 with the weights as
-    prepared, channels last (a CPU with AMX-BF16). The op's thread CPU time on one thread (its own work, whatever else
-    the machine runs), median of `repeats` after a warm-up, conversions of the bf16 activations included; `chosen`
-    is what this CPU runs."""
+    prepared, channels last (a CPU with AMX-BF16); and diffusers' own call for the same output (`WanCausalConv3d`:
+    fp32 channels first, the width padded by `F.pad`, then `F.conv3d`). The thread CPU time on one thread (its own
+    work, whatever else the machine runs), median of `repeats` after a warm-up, conversions of the bf16 activations
+    included; `chosen` is what this CPU runs."""
     from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.portable.weights import to_compute_layout  # noqa: PLC0415
@@ -444,6 +445,19 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
                 "bf16_channels_last": (torch.bfloat16, wt),
             }
             times = {}
+            x32, w32 = x.permute(0, 4, 1, 2, 3).float().contiguous(), wt.permute(0, 4, 1, 2, 3).float().contiguous()
+
+            def diffusers_conv():
+                torch.nn.functional.conv3d(torch.nn.functional.pad(x32, (kw // 2, kw // 2)), w32, b)
+
+            with torch.no_grad():
+                diffusers_conv()
+                runs = []
+                for _ in range(repeats):
+                    t0 = time.thread_time()
+                    diffusers_conv()
+                    runs.append(time.thread_time() - t0)
+            times["diffusers_fp32"] = statistics.median(runs)
             for variant, (dtype, weight) in variants.items():
                 with cpu_computing_in(dtype):
                     ops.conv3d(x, weight, b, out)
@@ -456,9 +470,11 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
             mine = to_compute_layout(wt)
             chosen = (f"{'bf16' if mine.dtype == torch.bfloat16 else 'fp32'}_channels_"
                       f"{'first' if ops.computes_channels_first(mine) else 'last'}")
+            ours = {k: v for k, v in times.items() if k != "diffusers_fp32"}
             rows.append({"layer": name, "co": co, "ci": ci, "kernel": [kt, kh, kw], "frames": frames, "rows": h,
                          "cols": w, **{f"{k}_s": v for k, v in times.items()},
-                         "faster": min(times, key=times.get), "chosen": chosen})
+                         "faster": min(ours, key=ours.get), "chosen": chosen,
+                         "chosen_vs_diffusers": times["diffusers_fp32"] / times[chosen]})
             log(f"    conv {ci} -> {co} k{kt}x{kh}x{kw} at {frames}x{h}x{w}: "
                 + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in times.items())
                 + f" (this CPU: {chosen.replace('_', ' ')})")
