@@ -176,3 +176,16 @@ def test_every_conv_of_a_one_row_banded_decode_takes_onednns_amx_kernel():
                                   if line.startswith("onednn_verbose") and ",exec,cpu,convolution," in line)
     assert sum(kernels.values()) > 50, kernels
     assert all("amx" in kernel for kernel in kernels), kernels
+
+
+def test_a_prepacked_weight_changed_in_place_is_used_as_it_now_is(cpu_compute):
+    x = _bf16(1, 4, 5, 6, 32, seed=8)
+    w = prepare("c.weight", _bf16(32, 32, 3, 3, 3, seed=9) / 30)
+    b = torch.zeros(32)
+    ops.prepack(w)
+    assert ops.prepacked(w) == (cpu_compute == torch.bfloat16)
+    w.mul_(-1)  # the same tensor, new values: a stale blocked copy would give the old result
+    flipped, negated = (torch.empty(1, 2, 3, 6, 32, dtype=torch.bfloat16) for _ in range(2))
+    ops.conv3d(x, w, b, flipped)
+    ops.conv3d(x, w.clone(), b, negated)  # a fresh tensor of the same values, never prepacked
+    assert not ops.prepacked(w) and torch.equal(flipped, negated)

@@ -89,8 +89,9 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
     return max(0, -(-MIN_BF16_CPU_PIXELS // per_row) - rows)
 
 
-# A prepared CPU conv weight -> oneDNN's blocked copy of it (`prepack`), so that its conv does not reorder the weight on
-# every call (measured: 17% of the real decoder's conv time on a CPU with AMX-BF16). An entry lives as its weight does.
+# A prepared CPU conv weight -> (its version, oneDNN's blocked copy of it: `prepack`), so that its conv does not reorder
+# the weight on every call (measured: 17% of the real decoder's conv time on a CPU with AMX-BF16). An entry lives as
+# its weight does, and serves only while the weight is not changed in place.
 _PACKED = WeakTensorKeyDictionary()
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_convolution_weight", None)
 
@@ -111,9 +112,10 @@ def _padding(w: torch.Tensor) -> list[int]:
 
 def prepack(w: torch.Tensor) -> None:
     """On a CPU computing in bf16, keep oneDNN's blocked copy of a prepared conv weight (conv3d's or the upsample's:
-    `weights.load` calls this) for the convs to use instead of reordering it on every call (the real decode 1.7x
-    faster, bit for bit the same video: docs/benchmarks.md). The blocking is chosen for a nominal input; where a
-    call's primitive wants another, oneDNN reorders as before."""
+    `weights.load` calls this) for the convs to use instead of reordering it on every call (the real-width decode
+    1.46x faster, bit for bit the same video: docs/benchmarks.md). The blocking is chosen for a nominal input; where a
+    call's primitive wants another, oneDNN reorders as before. A weight changed in place afterwards is used as it
+    is (its stale copy is not)."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
     if (w.device.type != "cpu" or _REORDER is None or not torch.backends.mkldnn.is_available()
             or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
@@ -121,12 +123,17 @@ def prepack(w: torch.Tensor) -> None:
     padding = _padding(w)
     ones = [1] * len(padding)
     nominal = [1, view.shape[1], *(k + 15 for k in view.shape[2:])]
-    _PACKED[w] = _REORDER(view, padding, ones, ones, 1, nominal)
+    _PACKED[w] = (w._version, _REORDER(view, padding, ones, ones, 1, nominal))
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor | None:
+    entry = _PACKED.get(w)
+    return entry[1] if entry is not None and entry[0] == w._version else None
 
 
 def prepacked(w: torch.Tensor) -> bool:
-    """Whether `prepack` keeps a blocked copy of the prepared conv weight w."""
-    return w in _PACKED
+    """Whether the convs use a blocked copy of the prepared conv weight w (`prepack`)."""
+    return _packed(w) is not None
 
 
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
@@ -136,7 +143,8 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
     carry the per-shape choice), else channels last; on a GPU channels last. The result is in that layout.
 
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
-    with oneDNN present (measured 2-20x slower here, and it returns channels-first output).
+    with oneDNN present (measured 2-20x slower here, and it returns channels-first output). There `packed`, w's
+    prepacked copy (`prepack`), replaces w, and a bf16 call too small for AMX is padded (`tiny_call_rows`).
     """
     dtype = compute_dtype(x.device)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -172,7 +180,7 @@ def conv3d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     Valid in time and rows, zero 'same' padding (kw // 2 each side) in width, stride 1. Covers the causal 3x3x3 convs,
     the (3,1,1) time conv of the temporal upsampler and the 1x1x1 convs (shortcuts, attention projections).
     """
-    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, _padding(w), _PACKED.get(w))
+    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, _padding(w), _packed(w))
     y = y.permute(0, 2, 3, 4, 1)
     if residual is not None:
         y = y.add_(residual) if y.dtype == torch.float32 else y + residual
@@ -209,7 +217,7 @@ def upsample2x_conv3x3(x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, ou
     rows = hi - 2
     # One 2x2 conv with 4*Co outputs (one group per phase) over x padded by one column each side; phase (a, c) of
     # output pixel (i, j) is that conv's output at position (i + a, j + c).
-    y = _conv(x.permute(0, 3, 1, 2), _subpixel_weight(w_sub), b.repeat(4), _padding(w_sub), _PACKED.get(w_sub))
+    y = _conv(x.permute(0, 3, 1, 2), _subpixel_weight(w_sub), b.repeat(4), _padding(w_sub), _packed(w_sub))
     y = y.permute(0, 2, 3, 1).view(m, rows + 1, width + 1, 2, 2, co)
     for a in range(2):
         for c in range(2):
