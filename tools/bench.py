@@ -411,10 +411,10 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
     """Each distinct conv3d of the workload's decoder (Co, Ci, kernel, at its level's size for `frames` output
     frames), by the portable op as each kind of CPU runs it: in fp32 with the weights channels last and channels first
     (what `weights.to_compute_layout` chooses between on a CPU without AMX-BF16), and in bf16 with the weights as
-    prepared, channels last (a CPU with AMX-BF16); and diffusers' own call for the same output (`WanCausalConv3d`:
-    fp32 channels first, the width padded by `F.pad`, then `F.conv3d`). The thread CPU time on one thread (its own
-    work, whatever else the machine runs), median of `repeats` after a warm-up, conversions of the bf16 activations
-    included; `chosen` is what this CPU runs."""
+    prepared, channels last and prepacked (a CPU with AMX-BF16); and diffusers' own call for the same output
+    (`WanCausalConv3d`: fp32 channels first, the width padded by `F.pad`, then `F.conv3d`). The thread CPU time on one
+    thread (its own work, whatever else the machine runs), median of `repeats` after a warm-up, conversions of the
+    bf16 activations included; `chosen` is what this CPU runs."""
     from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes  # noqa: PLC0415
     from fastvideo_pan2_ext.vae_kernel.portable.weights import to_compute_layout  # noqa: PLC0415
@@ -460,6 +460,7 @@ def conv_layout_rows(workload: Workload, log, frames: int = 2, repeats: int = 3)
             times["diffusers_fp32"] = statistics.median(runs)
             for variant, (dtype, weight) in variants.items():
                 with cpu_computing_in(dtype):
+                    ops.prepack(weight)  # as `weights.load` does (bf16 only: `ops.prepack`)
                     ops.conv3d(x, weight, b, out)
                     runs = []
                     for _ in range(repeats):
