@@ -90,8 +90,8 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
 
 
 # A prepared CPU conv weight -> (its version, oneDNN's blocked copy of it: `prepack`), so that its conv does not reorder
-# the weight on every call (measured: 17% of the real decoder's conv time on a CPU with AMX-BF16). An entry lives as
-# its weight does, and serves only while the weight is not changed in place.
+# the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does, and serves only
+# while the weight is not changed in place.
 _PACKED = WeakTensorKeyDictionary()
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_convolution_weight", None)
 
@@ -112,10 +112,10 @@ def _padding(w: torch.Tensor) -> list[int]:
 
 def prepack(w: torch.Tensor) -> None:
     """On a CPU computing in bf16, keep oneDNN's blocked copy of a prepared conv weight (conv3d's or the upsample's:
-    `weights.load` calls this) for the convs to use instead of reordering it on every call (the real-width decode
-    1.46x faster, bit for bit the same video: docs/benchmarks.md). The blocking is chosen for a nominal input; where a
-    call's primitive wants another, oneDNN reorders as before. A weight changed in place afterwards is used as it
-    is (its stale copy is not)."""
+    `weights.load` calls this) for the convs to use instead of reordering it on every call (oneDNN's own log of a
+    real-width decode: 78 reorders before, 11 after, the same video bit for bit; docs/benchmarks.md). The blocking
+    is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. A weight
+    changed in place afterwards is used as it is (its stale copy is not)."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
     if (w.device.type != "cpu" or _REORDER is None or not torch.backends.mkldnn.is_available()
             or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
