@@ -20,7 +20,8 @@ Layout rules every op may rely on (and every replacement must honour):
   [2, 2, Co, 2, 2, Ci]. On a CPU that computes in fp32 (`compute_dtype`) `weights.load` holds them as fp32 of the
   same values (converted once), the wide 3x3 convs channels first (`weights.to_compute_layout`); on one computing in
   bf16 it prepacks them for oneDNN (`prepack`); the portable ops take every form.
-- Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores.
+- Accumulation and statistics are fp32; each op rounds to bf16 once, when it stores (a conv computing in bf16 that
+  adds a residual: twice, its result then the sum).
 """
 
 from __future__ import annotations
