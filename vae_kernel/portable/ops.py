@@ -51,9 +51,9 @@ def cpu_has_amx_bf16() -> bool:
 
 def compute_dtype(device: torch.device) -> torch.dtype:
     """The dtype the convs and attention compute in (products of bf16 values, fp32 accumulation, one rounding on
-    store either way): bf16 on a GPU and on a CPU with AMX-BF16, where oneDNN's bf16 conv is 2-7x faster than its fp32
-    one at the real decoder's widths (docs/benchmarks.md); fp32 on other CPUs, which have no fast bf16 conv (measured:
-    70x slower than fp32 on an AVX2 EPYC)."""
+    store either way): bf16 on a GPU and on a CPU with AMX-BF16, where oneDNN's bf16 conv is 2-9x faster than its fp32
+    one at each conv shape of the real decoder (bench/results/cpu-real-width-amx-2026-12-01.json); fp32 on other
+    CPUs, whose bf16 convs get no AMX kernel (and without AVX-512 torch has no oneDNN bf16 conv at all)."""
     return torch.bfloat16 if device.type != "cpu" or cpu_has_amx_bf16() else torch.float32
 
 
