@@ -5,8 +5,8 @@ frames, and the streamed save rewrites its file; two real gloo ranks with the fa
 (or all raise) without hanging.
 
 The out-of-memory errors are injected from outside the product: an `ops.Ops` table passed as `backend=` whose conv3d
-raises torch.OutOfMemoryError above a size, or (for FastVideo's VAE, whose decoder picks its own table) the torch
-conv the portable ops call.
+raises torch.OutOfMemoryError above a size, or (for FastVideo's VAE, whose decoder picks its own table, and for a
+real failure of torch's CPU allocator) the torch conv the portable ops call.
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ from _vae_helpers import random_latents
 
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeOutOfMemoryError, DecodePlan, DecodeRestart
+from fastvideo_pan2_ext.vae_kernel.portable import ops
 
 SHAPE = (1, 8, 3, 3, 4)  # 9 video frames of 48 x 64: 2 passes at 2 frames per pass, 3 at 1
 # Tiles hold less than the whole frame only where the frame is taller than a tile's margins reach: 6 latent rows,
 # where 1-row tiles at 1 frame per pass hold under 3/4 of the untiled peak (2 rows hold more).
 TALL = (1, 8, 3, 6, 2)
 RETRY_WARNING = "ran out of memory at"
+# More bytes than any machine can map: torch's CPU allocator fails at once, touching nothing, and raises its own error
+# (a RuntimeError saying "DefaultCPUAllocator: can't allocate memory", not torch.OutOfMemoryError).
+UNMAPPABLE_BYTES = 2 ** 60
 
 
 def limited(frames: int | None = None, elements: int | None = None, fail_calls: int = 0, error=None):
@@ -54,6 +58,21 @@ def recording():
         TORCH_OPS.conv3d(x, w, b, out, residual)
 
     return dataclasses.replace(TORCH_OPS, name="recording", conv3d=conv3d), largest
+
+
+def convs_out_of_memory_above(monkeypatch, frames: int, run_out) -> None:
+    """The torch convs the portable ops call (oneDNN's, from the prepared or the prepacked weights: `ops.prepack`)
+    call `run_out(frames_out)`, which raises, for an output of more than `frames` frames."""
+    def limit(real):
+        def conv(x, w, *args):
+            frames_out = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
+            if frames_out > frames:
+                run_out(frames_out)
+            return real(x, w, *args)
+        return conv
+
+    monkeypatch.setattr(torch, "mkldnn_convolution", limit(torch.mkldnn_convolution))
+    monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise", limit(torch.ops.mkldnn._convolution_pointwise))
 
 
 def joined(chunks) -> torch.Tensor:
@@ -136,10 +155,31 @@ def test_the_smallest_plan_failing_raises_with_every_plan_tried(wan22_state_dict
     assert len(retry_warnings(caplog)) == len(error.plans) - 1  # one line per retry
 
 
-def test_a_non_memory_error_is_not_retried(wan22_state_dict, z):
+def test_a_cpu_allocator_out_of_memory_is_retried_with_the_same_video(wan22_state_dict, z, cpu_compute, monkeypatch,
+                                                                     caplog):
+    """torch's CPU allocator reports running out of memory as a RuntimeError of its own: a conv whose allocation
+    really fails there is retried as on a GPU, on either kind of CPU (computing in bf16, inside the prepacked conv,
+    which does not take it for the private op refusing its arguments)."""
+    undisturbed = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=1, backend="torch").decode(z)
+    convs_out_of_memory_above(monkeypatch, 4, lambda frames: torch.empty(UNMAPPABLE_BYTES, dtype=torch.uint8))
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+    with caplog.at_level(logging.WARNING):
+        video = decoder.decode(z)
+    assert decoder.last_plan == (1, None) and decoder.last_retries == ((2, None),)
+    assert torch.equal(video, undisturbed)
+    [warning] = retry_warnings(caplog)
+    assert f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {UNMAPPABLE_BYTES} bytes" in warning
+    convs = [w for name, w in decoder.weights.items() if w.dim() >= 5 and name != "post_quant_conv.weight"]
+    prepacked = [ops.prepacked(w) for w in convs]
+    assert all(prepacked) if cpu_compute == torch.bfloat16 else not any(prepacked)  # the private ops still serve
+
+
+@pytest.mark.parametrize("error", [KeyError, lambda text: RuntimeError(
+    f"CUDA error: an illegal memory access was encountered ({text})")], ids=["KeyError", "RuntimeError"])
+def test_a_non_memory_error_is_not_retried(wan22_state_dict, z, error):
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend=limited(fail_calls=1,
-                                                                                                error=KeyError))
-    with pytest.raises(KeyError, match="injected"):
+                                                                                                error=error))
+    with pytest.raises((KeyError, RuntimeError), match="injected"):
         decoder.decode(z)
     assert decoder.last_retries == ()
 
@@ -196,19 +236,11 @@ def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_p
     target.parent.mkdir()
     seen_at_failure = []
 
-    def out_of_memory_above_4_frames(real):  # a torch conv the portable ops call, out of memory past 4 frames out
-        def conv(x, w, *args):
-            frames = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
-            if frames > 4:
-                seen_at_failure.append(target.exists())
-                raise torch.OutOfMemoryError(f"injected: {frames} frames")
-            return real(x, w, *args)
-        return conv
+    def run_out(frames):
+        seen_at_failure.append(target.exists())
+        raise torch.OutOfMemoryError(f"injected: {frames} frames")
 
-    # oneDNN's conv from the prepared weights, or from the prepacked ones (a CPU computing in bf16: `ops.prepack`)
-    monkeypatch.setattr(torch, "mkldnn_convolution", out_of_memory_above_4_frames(torch.mkldnn_convolution))
-    monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise",
-                        out_of_memory_above_4_frames(torch.ops.mkldnn._convolution_pointwise))
+    convs_out_of_memory_above(monkeypatch, 4, run_out)
     vae = _fastvideo_vae(wan22_vae, 2)
     loggers = [logging.getLogger(name) for name in (streamed_save.__name__, "fastvideo_pan2_ext.vae_kernel.decoder")]
     for logger in loggers:  # FastVideo's logging setup does not propagate to the root logger

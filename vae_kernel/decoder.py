@@ -24,6 +24,7 @@ from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed,
 from .planning import memory
 from .planning.memory import DecodePlan
 from .portable import weights as weights_mod
+from .portable.ops import is_out_of_memory
 from .portable.passes import Chunk, PassRunner, latent_passes
 
 logger = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ class WanVAEDecoder:
         if isinstance(error, PeerFailed):  # heard at an exchange (whose status round it was): this rank is well
             status, error = OK, None
         else:
-            status = OUT_OF_MEMORY if isinstance(error, torch.OutOfMemoryError) else FAILED
+            status = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
             if status == OUT_OF_MEMORY:
                 traceback.clear_frames(error.__traceback__)  # the attempt's tensors live in those frames
                 error = error.with_traceback(None)

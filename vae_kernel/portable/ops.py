@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -55,6 +56,19 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     one at each conv shape of the real decoder (bench/results/cpu-real-width-amx-2026-12-01.json); fp32 on other
     CPUs, whose bf16 convs get no AMX kernel (and without AVX-512 torch has no oneDNN bf16 conv at all)."""
     return torch.bfloat16 if device.type != "cpu" or cpu_has_amx_bf16() else torch.float32
+
+
+# How torch's CPU allocator reports running out of memory: a RuntimeError, not torch.OutOfMemoryError (c10's
+# alloc_cpu: "can't allocate memory" where posix_memalign fails, "not enough memory" on Windows and Android).
+_CPU_ALLOCATOR_OUT_OF_MEMORY = re.compile(
+    r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocator running out of memory: torch.OutOfMemoryError (a GPU's, and torch's own
+    subclasses), or the RuntimeError torch's CPU allocator raises. Any other error is not."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and _CPU_ALLOCATOR_OUT_OF_MEMORY.search(str(error)) is not None)
 
 
 def _is_channels_first(w: torch.Tensor) -> bool:
