@@ -2,7 +2,7 @@
 values, the wide 3x3 convs channels first; on one with AMX-BF16, the weights as prepared (bf16, channels last) and
 prepacked for oneDNN, every conv on AMX however small. A decoder wide enough to run both fp32 layouts stays within
 the allowance and gives the same video for every frames_per_pass and tile size: bit for bit in bf16, to one bf16
-step in fp32."""
+step in fp32. An AMX-BF16 CPU whose oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA) computes in fp32."""
 
 from __future__ import annotations
 
@@ -189,3 +189,30 @@ def test_a_prepacked_weight_changed_in_place_is_used_as_it_now_is(cpu_compute):
     ops.conv3d(x, w, b, flipped)
     ops.conv3d(x, w.clone(), b, negated)  # a fresh tensor of the same values, never prepacked
     assert not ops.prepacked(w) and torch.equal(flipped, negated)
+
+
+_COMPUTE_DTYPE_WITH_AMX_BF16 = """
+import torch
+capabilities = {**torch.cpu.get_capabilities(), "amx_tile": True, "amx_bf16": True}
+torch.cpu.get_capabilities = lambda: capabilities  # this CPU, given the AMX-BF16 of a 4th-generation Xeon
+from fastvideo_pan2_ext.vae_kernel.portable import ops
+print(ops.compute_dtype(torch.device("cpu")))
+"""
+_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+@pytest.mark.parametrize("cap, computes", [
+    ({}, torch.bfloat16),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, torch.float32),  # the level just below AMX
+    ({"ONEDNN_MAX_CPU_ISA": "avx2"}, torch.float32),  # oneDNN takes either case
+    ({"DNNL_MAX_CPU_ISA": "AVX10_1_512"}, torch.float32),  # the older name
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.bfloat16),  # the new name wins
+], ids=["uncapped", "avx512_core_bf16", "avx2", "dnnl-avx10_1_512", "amx"])
+def test_an_amx_cpu_whose_onednn_is_capped_below_amx_computes_in_fp32(cap, computes):
+    """oneDNN reads ONEDNN_MAX_CPU_ISA once per process: each setting gets a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in _ISA_VARIABLES}
+    env.update(cap, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", _COMPUTE_DTYPE_WITH_AMX_BF16], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == str(computes)

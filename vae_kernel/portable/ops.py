@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -42,12 +43,28 @@ _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (1
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
+# ONEDNN_MAX_CPU_ISA values that cap oneDNN below its AMX kernels, in lower case, aliases included (oneDNN's dispatcher
+# control: it lower-cases the value; "all", "default", the AMX levels and values it does not know set no cap).
+_ISA_CAPS_WITHOUT_AMX = frozenset({
+    "sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni", "avx512_core_bf16",
+    "avx10_1_512", "avx512_core_fp16", "avx10_2", "avx10_2_512"})
+
+
+def _onednn_isa_cap() -> str:
+    """The ISA cap oneDNN reads once per process, at its first use: ONEDNN_MAX_CPU_ISA, else the older
+    DNNL_MAX_CPU_ISA (an empty value counts as unset), in lower case; "" where neither is set."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").lower()
+
+
 @functools.cache
 def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU runs oneDNN's bf16 convs on AMX tiles (Intel Xeon 4th generation, Sapphire Rapids, and later).
-    Tests that need the other kind of CPU replace this probe."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+    """Whether oneDNN runs this CPU's bf16 convs on AMX tiles: the CPU has AMX-BF16 (Intel Xeon 4th generation,
+    Sapphire Rapids, and later) and ONEDNN_MAX_CPU_ISA, where set, does not cap oneDNN below AMX (capped, oneDNN runs
+    them on the kernels of a CPU without AMX, so the decoder computes in fp32 as on such a CPU). Tests that need the
+    other kind of CPU replace this probe."""
+    if not torch.backends.mkldnn.is_available() or not torch.cpu.get_capabilities().get("amx_bf16", False):
+        return False
+    return _onednn_isa_cap() not in _ISA_CAPS_WITHOUT_AMX
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
