@@ -85,14 +85,27 @@ def _cpu_computing_in(monkeypatch, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _skip_without_onednn_bf16() -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 conv (no AVX-512): it only ever computes in fp32")
+
+
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32-cpu", "amx-bf16-cpu"])
 def cpu_compute(request, monkeypatch) -> torch.dtype:
     """The portable path as it runs on either kind of CPU, whichever this one is: one without AMX-BF16 (computes in
     fp32) and one with it (bf16). The hardware probe is replaced, in this process only. A CPU without AVX-512 has no
     oneDNN bf16 conv at all (torch refuses it): there only the fp32 kind runs."""
-    if request.param == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("this CPU has no oneDNN bf16 conv (no AVX-512): it only ever computes in fp32")
+    if request.param == torch.bfloat16:
+        _skip_without_onednn_bf16()
     return _cpu_computing_in(monkeypatch, request.param)
+
+
+@pytest.fixture
+def amx_bf16_cpu(monkeypatch) -> torch.dtype:
+    """The portable path as a CPU with AMX-BF16 runs it (bf16 compute, prepacked conv weights), whichever this one is
+    (skipped where torch has no oneDNN bf16 conv): for tests of what only that kind does."""
+    _skip_without_onednn_bf16()
+    return _cpu_computing_in(monkeypatch, torch.bfloat16)
 
 
 @pytest.fixture

@@ -2,11 +2,13 @@
 values, the wide 3x3 convs channels first; on one with AMX-BF16, the weights as prepared (bf16, channels last) and
 prepacked for oneDNN, every conv on AMX however small. A decoder wide enough to run both fp32 layouts stays within
 the allowance and gives the same video for every frames_per_pass and tile size: bit for bit in bf16, to one bf16
-step in fp32. An AMX-BF16 CPU whose oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA) computes in fp32."""
+step in fp32. An AMX-BF16 CPU whose oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA) computes in fp32; without torch's
+private oneDNN ops the bf16 convs run unpacked, with one warning."""
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _decoder_allowance import check_allowance
+from _decoder_allowance import Oracle, check_allowance
 from _vae_helpers import random_wan22_decoder_weights
 
 from fastvideo_pan2_ext import reference
@@ -216,3 +218,57 @@ def test_an_amx_cpu_whose_onednn_is_capped_below_amx_computes_in_fp32(cap, compu
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == str(computes)
+
+
+class _OpsWithout:
+    """torch.ops.mkldnn as a torch release without the op `missing` would have it."""
+
+    def __init__(self, namespace, missing: str) -> None:
+        self._namespace, self._missing = namespace, missing
+
+    def __getattr__(self, name: str):
+        if name == self._missing:
+            raise AttributeError(f"'_OpNamespace' 'mkldnn' object has no attribute '{name}'")
+        return getattr(self._namespace, name)
+
+
+@pytest.fixture
+def private_onednn_restored(monkeypatch):
+    """Whatever the test takes away, the process gets torch's private oneDNN ops back afterwards."""
+    monkeypatch.setattr(ops, "_private_onednn_usable", True)
+
+
+@pytest.fixture(scope="module")
+def prepacked_decode(wan22_vae, wan22_state_dict):
+    """Latents, their fp32 reference and release decodes, and the portable decode as an AMX-BF16 CPU runs it."""
+    z = torch.randn((1, 8, 3, 3, 4), generator=torch.Generator().manual_seed(23))
+    ref32, release = Oracle(wan22_vae, wan22_state_dict).decodes(z, ())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "cpu_has_amx_bf16", lambda: True)
+        video = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch").decode(z)
+    return z, ref32, release, video
+
+
+@pytest.mark.parametrize("op, taken", [("_reorder_convolution_weight", "missing"),
+                                       ("_convolution_pointwise", "refusing its arguments")])
+def test_without_torchs_private_onednn_ops_the_bf16_convs_run_unpacked_with_one_warning(
+        wan22_state_dict, amx_bf16_cpu, prepacked_decode, private_onednn_restored, monkeypatch, caplog, op, taken):
+    z, ref32, release, prepacked = prepacked_decode
+    if taken == "missing":
+        monkeypatch.setattr(torch.ops, "mkldnn", _OpsWithout(torch.ops.mkldnn, op))
+    else:  # the real op, called as a torch release that changed its arguments would be: one argument short
+        real = getattr(torch.ops.mkldnn, op)
+        monkeypatch.setattr(torch.ops.mkldnn, op, lambda *args: real(*args[:-1]))
+    ops.logger.addHandler(caplog.handler)  # whatever logging setup an earlier test left behind
+    try:
+        with caplog.at_level(logging.WARNING):
+            decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+            video = decoder.decode(z)
+    finally:
+        ops.logger.removeHandler(caplog.handler)
+    warnings = {id(r): r.getMessage() for r in caplog.records if r.name == ops.logger.name}
+    [warning] = warnings.values()
+    assert f"torch.ops.mkldnn.{op} is missing or refuses its arguments" in warning, warning
+    assert not any(ops.prepacked(w) for w in decoder.weights.values())
+    check_allowance(prepacked, ref32, release)
+    check_allowance(video, ref32, release)

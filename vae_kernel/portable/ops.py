@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import re
@@ -37,6 +38,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
+
+logger = logging.getLogger(__name__)
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
 _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
@@ -125,7 +128,30 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
 # the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does, and serves only
 # while the weight is not changed in place.
 _PACKED = WeakTensorKeyDictionary()
-_REORDER = getattr(torch.ops.mkldnn, "_reorder_convolution_weight", None)
+# torch's private oneDNN ops behind the prepacked convs carry no API promise: the first of them missing or refusing its
+# arguments turns them off for the process, with one warning, and the convs run from the prepared weights through
+# torch.mkldnn_convolution (reordering the weight on every call, as without `prepack`).
+_private_onednn_usable = True
+
+
+def _private_onednn(name: str, *args) -> torch.Tensor | None:
+    """torch.ops.mkldnn.<name>(*args), or None where that op is missing or refuses the arguments (or an earlier one
+    did). An allocator out of memory is raised as it is: the decode retries it."""
+    global _private_onednn_usable
+    if not _private_onednn_usable:
+        return None
+    try:
+        return getattr(torch.ops.mkldnn, name)(*args)
+    except Exception as exc:  # whatever a changed private op raises
+        if is_out_of_memory(exc):
+            raise
+        _private_onednn_usable = False
+        _PACKED.clear()
+        reason = " ".join([type(exc).__name__ + ":", *str(exc).strip().splitlines()[:1]])
+        logger.warning("torch %s: torch.ops.mkldnn.%s is missing or refuses its arguments (%s); the CPU convs run "
+                       "through torch.mkldnn_convolution from now on, reordering their weights on every call",
+                       torch.__version__, name, reason)
+        return None
 
 
 def _conv3d_weight(w: torch.Tensor) -> torch.Tensor:
@@ -149,13 +175,15 @@ def prepack(w: torch.Tensor) -> None:
     is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. A weight
     changed in place afterwards is used as it is (its stale copy is not)."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
-    if (w.device.type != "cpu" or _REORDER is None or not torch.backends.mkldnn.is_available()
+    if (w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
             or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
         return  # measured on bf16 only (an fp32 conv from packed weights runs another kernel: other sums)
     padding = _padding(w)
     ones = [1] * len(padding)
     nominal = [1, view.shape[1], *(k + 15 for k in view.shape[2:])]
-    _PACKED[w] = (w._version, _REORDER(view, padding, ones, ones, 1, nominal))
+    packed = _private_onednn("_reorder_convolution_weight", view, padding, ones, ones, 1, nominal)
+    if packed is not None:
+        _PACKED[w] = (w._version, packed)
 
 
 def _packed(w: torch.Tensor) -> torch.Tensor | None:
@@ -176,7 +204,8 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
 
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
     with oneDNN present (measured 2-20x slower here, and it returns channels-first output). There `packed`, w's
-    prepacked copy (`prepack`), replaces w, and a bf16 call too small for AMX is padded (`tiny_call_rows`).
+    prepacked copy (`prepack`), replaces w (while torch's private oneDNN op serves: `_private_onednn`), and a bf16
+    call too small for AMX is padded (`tiny_call_rows`).
     """
     dtype = compute_dtype(x.device)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -188,9 +217,9 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
             padded.movedim(-1, 1)[..., :-extra, :].copy_(x)
             x = padded.movedim(-1, 1)
         x, ones = _as(x, dtype, layout), [1] * len(padding)
-        if packed is not None:
-            y = torch.ops.mkldnn._convolution_pointwise(x, packed, b.to(dtype), padding, ones, ones, 1, "none", [], "")
-        else:
+        y = None if packed is None else \
+            _private_onednn("_convolution_pointwise", x, packed, b.to(dtype), padding, ones, ones, 1, "none", [], "")
+        if y is None:
             y = torch.mkldnn_convolution(x, _as(w, dtype, layout), b.to(dtype), padding, ones, ones, 1)
         return y[..., :rows, :] if extra else y
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
