@@ -16,31 +16,50 @@ PATH is a diffusers VAE folder, a model folder with a `vae/` subfolder, or a sin
 (.safetensors / .pth), loaded through diffusers' own `AutoencoderKLWan.from_single_file` conversion with a config
 made locally from the architecture read from the weights (diffusers converts the Wan2.1 layout only).
 
-Every check (the file, the VAE against the latents, the options, the output folder) runs before any decoding; a
-failure is one line `python -m fastvideo_pan2_ext.decode: error: ...` and exit code 2. The video is decoded by
-`WanVAEDecoder.decode_iter` and streamed to the mp4 (`video_io`: the whole video is never in memory; written under a
-partial name, renamed when complete), with the decoder's progress bar. A batch of B > 1 is one mp4, the samples side by side, as
-FastVideo saves a batch.
+Every check (the file, the VAE against the latents, the options, the outputs) runs before any decoding; a failure
+is one line `python -m fastvideo_pan2_ext.decode: error: ...` and exit code 2, and nothing is created: an existing
+video is replaced only with `--overwrite` (`-y`), a missing output folder is an error. Each sample of the batch is
+decoded by `WanVAEDecoder.decode_iter` and streamed to its own mp4 (`video_io`: the whole video is never in memory;
+written under a partial name, renamed when complete), with the decoder's progress bar. SIGINT and SIGTERM, at any
+moment, end the command with one line and 130 / 143, leaving no partial file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from fastvideo_pan2_ext.names import DECODE_COMMAND as PROG
+
+STOPPED = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}  # exit code, word
+
+
+def _leave_at_once(signum, frame):
+    """A signal before `main` runs (torch and diffusers take seconds to import): nothing is written yet."""
+    code, word = STOPPED[signum]
+    os.write(2, f"{PROG}: error: {word}; no video written\n".encode())
+    os._exit(code)
+
+
+if __name__ == "__main__":  # before the imports below
+    for _signum in STOPPED:
+        signal.signal(_signum, _leave_at_once)
+
+import torch  # noqa: E402
 
 from fastvideo_pan2_ext import latents_file
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
-from fastvideo_pan2_ext.video_io import check_writable, write_grid_stream
+from fastvideo_pan2_ext.video_io import check_writable, write_video_stream
 
-PROG = latents_file.DECODE_COMMAND
-DEFAULT_FPS = 16.0  # diffusers' Wan examples export at 16 fps
+DEFAULT_FPS = {"wan2.2": 24.0, "wan2.1": 16.0}  # per latents layout: the fps Wan2.2's and Wan2.1's videos are made at
 ORIGINAL_WAN_VAE_KEY = "decoder.middle.0.residual.0.gamma"  # what diffusers' single-file loader recognises a Wan VAE by
 
 
@@ -51,18 +70,19 @@ class DecodeCommandError(ValueError):
 # ------------------------------------------------------------------------------------------------------- latents
 
 
-def _bare_tensor(path: Path, metadata) -> torch.Tensor:
-    if metadata is not None or path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+def _bare_tensor(path: Path, is_safetensors: bool) -> torch.Tensor:
+    """The one latents tensor of a safetensors or `torch.save` file (chosen by the file's content, not its name)."""
+    try:
+        if is_safetensors:
+            from safetensors.torch import load_file
 
-        tensors = load_file(str(path))
-    else:
-        try:
+            tensors = load_file(str(path))
+        else:
             loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as exc:  # pickle, zip and torch each raise their own types for a file that is not theirs
-            raise DecodeCommandError(f"{path}: not a tensor file (torch.save or safetensors): "
-                                     f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        tensors = loaded if isinstance(loaded, dict) else {"": loaded}
+            tensors = loaded if isinstance(loaded, dict) else {"": loaded}
+    except Exception:  # safetensors, pickle, zip and torch each raise their own types for a file that is not theirs
+        raise DecodeCommandError(f"{path}: not a latents file: neither safetensors nor torch.save holding a tensor "
+                                 "(is it the right file?)") from None
     if len(tensors) == 1:
         (tensor,) = tensors.values()
     elif "latents" in tensors:
@@ -82,16 +102,15 @@ def read_latents(path, denormalized: bool) -> latents_file.KeptLatents | torch.T
         raise DecodeCommandError(f"{path}: no such file")
     if path.stat().st_size == 0:
         raise DecodeCommandError(f"{path}: the file is empty")
-    metadata = None
-    if _looks_like_safetensors(path):
+    is_safetensors = _looks_like_safetensors(path)
+    if is_safetensors:
         metadata = latents_file.metadata_of(path)
         if latents_file.is_kept_latents(metadata):
             if denormalized:
                 raise DecodeCommandError(f"{path}: a kept-latents file says itself whether its latents are "
                                          "normalized; drop --denormalized")
             return latents_file.read(path)
-        metadata = metadata or {}
-    tensor = _bare_tensor(path, metadata)
+    tensor = _bare_tensor(path, is_safetensors)
     if tensor.dim() != 5 or not tensor.is_floating_point() or min(tensor.shape) < 1:
         raise DecodeCommandError(f"{path}: holds a {tensor.dtype} tensor of shape {list(tensor.shape)}; expected "
                                  "float latents [B, z_dim, T, h, w]")
@@ -153,8 +172,9 @@ def load_vae(path):
         except (OSError, ValueError) as exc:
             raise DecodeCommandError(f"--vae {path}: unreadable {folder / 'config.json'} ({exc})") from None
         if class_name != "AutoencoderKLWan":
-            raise DecodeCommandError(f"--vae {path}: {folder / 'config.json'} is a {class_name!r}, not a Wan VAE "
-                                     "(AutoencoderKLWan)")
+            found = f"a {class_name}'s" if class_name else "not a diffusers model config (no _class_name)"
+            raise DecodeCommandError(f"--vae {path}: {folder / 'config.json'} is {found}, not a Wan VAE's "
+                                     "(_class_name AutoencoderKLWan): give the Wan VAE's folder or its model folder")
         from diffusers import AutoencoderKLWan
 
         try:
@@ -181,17 +201,36 @@ def denormalize(z: torch.Tensor, vae) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------------------- command
 
+EXIT_CODES = """exit codes: 0 the video(s) written; 1 the decode failed after every check passed (nothing written);
+2 a bad input or option (one line naming it; nothing decoded, nothing written); 130 interrupted (Ctrl-C, SIGINT);
+143 terminated (SIGTERM). An interrupted or failed run leaves no partial file."""
+
+
+def _fps(text: str) -> float:
+    try:
+        fps = float(text)
+    except ValueError:
+        fps = math.nan
+    if not (math.isfinite(fps) and fps > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of frames per second, such as 24; got {text!r}")
+    return fps
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Decode saved Wan latents into an mp4 with the fast decoder "
+    p = argparse.ArgumentParser(prog=PROG, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Decode saved Wan latents into mp4 video with the fast decoder "
                                 "(streamed: the whole video is never in memory).")
     p.add_argument("latents", metavar="LATENTS", help="a kept-latents file, or a tensor file (torch.save or "
                    "safetensors) of latents [B, z_dim, T, h, w] as a pipeline returns them for output_type='latent'")
     p.add_argument("--vae", metavar="PATH", help="a diffusers VAE folder, a model folder with vae/, or one "
                    "original-format Wan VAE file (default: the kept-latents file's)")
     p.add_argument("-o", "--output", metavar="OUT.mp4", help="the video (default: the kept-latents file's, else "
-                   "LATENTS with .mp4)")
-    p.add_argument("--fps", type=float, help=f"frames per second (default: the kept-latents file's, else {DEFAULT_FPS:g})")
+                   "LATENTS with .mp4); its folder must exist. A batch of B latents writes one video per sample, "
+                   "OUT_0.mp4 ... OUT_<B-1>.mp4, or the names of a pattern with {} (-o 'clip-{}.mp4')")
+    p.add_argument("-y", "--overwrite", action="store_true", help="replace existing videos (without it an "
+                   "existing output is refused)")
+    p.add_argument("--fps", type=_fps, help="frames per second (default: the kept-latents file's, else the "
+                   f"latents' model's: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_FPS.items())})")
     p.add_argument("--denormalized", action="store_true", help="the tensor's latents are already de-normalized "
                    "(z * std + mean done); without it they are de-normalized with the VAE's latents_mean/std")
     decoder_options.add_arguments(p, unset=argparse.SUPPRESS)  # not given: the kept-latents file's, else defaults
@@ -211,8 +250,34 @@ def _default_output(latents_path: Path) -> Path:
     return latents_path.with_name(stem + ".mp4")
 
 
+def outputs(output: Path, batch: int) -> list[Path]:
+    """One video per sample: `output` itself for one sample, else OUT_0.mp4, ...; a name with {} is a pattern."""
+    if "{}" in output.name:
+        return [output.with_name(output.name.replace("{}", str(b))) for b in range(batch)]
+    if batch == 1:
+        return [output]
+    return [output.with_name(f"{output.stem}_{b}{output.suffix}") for b in range(batch)]
+
+
+def check_outputs(paths: list[Path], overwrite: bool) -> None:
+    """DecodeCommandError unless every video can be written: an .mp4 name, an existing folder files can be created
+    in (nothing is created here), no existing file unless `overwrite`."""
+    for path in paths:
+        if path.suffix.lower() != ".mp4":
+            raise DecodeCommandError(f"-o {path}: the output must be an .mp4 file")
+        folder = path.parent
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise DecodeCommandError(f"-o {path}: the folder {folder} {what} (create it first)")
+        if path.is_dir():
+            raise DecodeCommandError(f"-o {path}: a folder of that name is in the way")
+        if path.exists() and not overwrite:
+            raise DecodeCommandError(f"-o {path}: the file exists; pass --overwrite (-y) to replace it")
+    check_writable(paths[0])
+
+
 def prepare(args):
-    """Everything before decoding: -> (decoder, de-normalized latents, output path, fps). DecodeCommandError or
+    """Everything before decoding: -> (decoder, de-normalized latents, output paths, fps). DecodeCommandError or
     ValueError / OSError naming the problem."""
     loaded = read_latents(args.latents, args.denormalized)
     kept = loaded if isinstance(loaded, latents_file.KeptLatents) else None
@@ -221,13 +286,9 @@ def prepare(args):
     if vae_path is None:
         raise DecodeCommandError("--vae PATH is needed for a bare latents tensor (only a kept-latents file names its "
                                  "VAE)")
-    output = Path(args.output or (kept.output if kept and kept.output else _default_output(Path(args.latents))))
-    if output.suffix.lower() != ".mp4":
-        raise DecodeCommandError(f"-o {output}: the output must be an .mp4 file")
-    check_writable(output)
-    fps = args.fps if args.fps is not None else (kept.fps if kept else DEFAULT_FPS)
-    if not fps > 0:
-        raise DecodeCommandError(f"--fps must be a positive number; got {fps!r}")
+    paths = outputs(Path(args.output or (kept.output if kept and kept.output else
+                                         _default_output(Path(args.latents)))), z.shape[0])
+    check_outputs(paths, args.overwrite)
     options = dict(kept.decoder_options) if kept else {}
     given = {name: getattr(args, name) for name in decoder_options.NAMES if hasattr(args, name)}
     if "tile_rows" in given or "max_memory" in given:  # one given here replaces the file's choice of both
@@ -241,6 +302,7 @@ def prepare(args):
     layout = latents_file.layout_of(infer_config(vae.state_dict()))
     if kept and kept.layout != layout:
         raise DecodeCommandError(f"--vae {vae_path}: a {layout} VAE; the latents were made for a {kept.layout} VAE")
+    fps = args.fps or (kept.fps if kept and kept.fps else DEFAULT_FPS[layout])
     if not bool(torch.isfinite(z).all()):
         raise DecodeCommandError(f"{args.latents}: the latents contain NaN or Inf")
     normalized = kept.normalized if kept else not args.denormalized
@@ -249,24 +311,50 @@ def prepare(args):
     decoder = WanVAEDecoder(vae, device=device, local=True, **options)
     z = z.to(decoder.device)
     decoder.plan(z.shape, stream=True)  # a budget that cannot be met fails here, not mid-video
-    return decoder, z, output, fps
+    return decoder, z, paths, fps
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM, raised where the program is, so every writer on the way out removes its partial file."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    for handled in STOPPED:  # a second signal must not cut the clean-up short
+        signal.signal(handled, signal.SIG_IGN)
+    raise _Stopped(signum)
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    for signum in STOPPED:
+        signal.signal(signum, _stop)
+    written: list[Path] = []
     try:
-        decoder, z, output, fps = prepare(args)
-    except (ValueError, OSError) as exc:
-        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    try:  # the decoder shows its own progress bar (passes)
-        written = write_grid_stream([decoder.decode_iter(z[b:b + 1]) for b in range(z.shape[0])], output, fps)
-    except KeyboardInterrupt:
-        _fail("interrupted; no video written", 130)
-    except Exception as exc:  # a decode that fails after the checks: one line, nothing written
+        args = parser().parse_args(argv)
+        try:
+            decoder, z, paths, fps = prepare(args)
+        except (ValueError, OSError) as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        for b, path in enumerate(paths):
+            frames = write_video_stream(decoder.decode_iter(z[b:b + 1]), path, fps)
+            written.append(path)
+            print(f"wrote {frames} frames to {path}")
+    except (_Stopped, KeyboardInterrupt) as exc:
+        code, word = STOPPED[exc.signum if isinstance(exc, _Stopped) else signal.SIGINT]
+        _fail(f"{word}; {_what_was_written(written)}", code)
+    except Exception as exc:  # a decode that fails after the checks: one line, no partial file
         _fail(f"the decode failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-              "no video written", 1)
-    print(f"wrote {written} frames to {output}")
+              f"{_what_was_written(written)}", 1)
     return 0
+
+
+def _what_was_written(written: list[Path]) -> str:
+    if not written:
+        return "no video written"
+    return f"only {', '.join(map(str, written))} written (complete)"
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ writer in another process can remove it too, by the same name).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 from collections.abc import Iterable, Sequence
@@ -73,13 +74,17 @@ def check_writable(path) -> None:
     """OSError (one line) unless a video can be written at `path`: its folder is created if missing, and a real file
     is created and removed there (mode bits are not enough: root ignores them, read-only mounts do not)."""
     folder = Path(path).parent
+    blocking = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise OSError(f"cannot write the video to {folder}: {blocking} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".{Path(path).name}.probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as exc:
-        raise OSError(f"cannot write the video to {folder}: {exc.strerror or exc}") from None
+    except OSError as exc:  # ENOENT in an existing folder: a virtual file system such as /proc
+        reason = "files cannot be created there" if exc.errno == errno.ENOENT and folder.is_dir() else exc.strerror
+        raise OSError(f"cannot write the video to {folder}: {reason or exc}") from None
 
 
 def partial_path(path) -> Path:

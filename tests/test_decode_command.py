@@ -5,8 +5,13 @@ diffusers' own `from_single_file` conversion; every mistake is one line and exit
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +62,16 @@ def recorded(monkeypatch):
     return videos
 
 
+def _fps_of(video) -> float:
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(video))
+    try:
+        return next(reader)["fps"]
+    finally:
+        reader.close()
+
+
 def _main(argv, capsys):
     """Run the command in this process -> (exit code, stdout, stderr lines)."""
     try:
@@ -79,6 +94,7 @@ def test_latents_of_a_real_diffusers_pipeline_decode_to_its_own_video(checkpoint
     assert code == 0 and errors == [], errors
     height, width = SIZES[layout]
     assert video_frames_and_size(video) == (FRAMES, (width, height))
+    assert _fps_of(video) == {"wan2.2-ti2v": 24, "wan2.1-t2v": 16}[layout]  # the model's own frame rate
     candidate = torch.cat(recorded[0], 2)
 
     # The pipeline's own video ([B, F, C, H, W] in [0, 1]) in fp32, and the release way (its VAE in bf16).
@@ -190,6 +206,13 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     torch.save(torch.full((1, 48, 2, 4, 6), float("nan")), nan)
     text = tmp_path / "notes.txt"
     text.write_text("not a tensor")
+    text_named_safetensors = tmp_path / "x.safetensors"
+    text_named_safetensors.write_text("not a tensor either")
+    existing = tmp_path / "existing.mp4"
+    existing.write_bytes(b"a user's video")
+    no_class = tmp_path / "no-class"
+    no_class.mkdir()
+    (no_class / "config.json").write_text("{}")
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     bad_version = tmp_path / "old.latents.safetensors"
@@ -205,14 +228,22 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     wan21, wan22 = checkpoints["wan2.1-t2v"], checkpoints["wan2.2-ti2v"]
     cases = [
         ([tmp_path / "missing.pt", "--vae", wan22], "missing.pt: no such file"),
-        ([text, "--vae", wan22], "notes.txt: not a tensor file"),
+        ([text, "--vae", wan22], "notes.txt: not a latents file: neither safetensors nor torch.save"),
+        ([text_named_safetensors, "--vae", wan22], "x.safetensors: not a latents file"),
         ([flat, "--vae", wan22], "flat.pt: holds a torch.float32 tensor of shape [48, 2, 4, 6]; expected float latents"),
         ([nan, "--vae", wan22], "nan.pt: the latents contain NaN or Inf"),
         ([z22], "--vae PATH is needed"),
         ([z22, "--vae", wan21], "a VAE of 16 latent channels cannot decode latents of 48"),
         ([z22, "--vae", tmp_path], "neither a diffusers VAE folder"),
         ([z22, "--vae", text], "not a VAE checkpoint"),
-        ([z22, "--vae", wan22, "-o", a_file / "v.mp4"], "cannot write the video to"),
+        ([z22, "--vae", no_class], "config.json is not a diffusers model config (no _class_name), not a Wan VAE's"),
+        ([z22, "--vae", wan22, "-o", a_file / "v.mp4"], f"the folder {a_file} is not a folder (create it first)"),
+        ([z22, "--vae", wan22, "-o", tmp_path / "new" / "v.mp4"], f"the folder {tmp_path / 'new'} does not exist"),
+        ([z22, "--vae", wan22, "-o", existing], "existing.mp4: the file exists; pass --overwrite (-y) to replace it"),
+        ([z22, "--vae", wan22, "--fps", "inf"], "argument --fps: must be a positive number of frames per second"),
+        ([z22, "--vae", wan22, "--fps", "nan"], "argument --fps: must be a positive number of frames per second"),
+        ([z22, "--vae", wan22, "--fps", "0"], "argument --fps: must be a positive number of frames per second"),
+        ([z22, "--vae", wan22, "--max-memory", "1KiB"], "1.0 KiB (1024 bytes) is too small"),
         ([z22, "--vae", wan22, "-o", tmp_path / "v.gif"], "the output must be an .mp4 file"),
         ([z22, "--vae", wan22, "--frames-per-pass", "0"], "frames_per_pass must be 'auto' or an int >= 1"),
         ([z22, "--vae", wan22, "--tile-rows", "2", "--max-memory", "1GiB"], "not both"),
@@ -226,6 +257,8 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
             (argv, errors)
     assert recorded == []  # nothing was decoded
     assert not (tmp_path / "v.mp4").exists() and not (tmp_path / "z22.mp4").exists()
+    assert not (tmp_path / "new").exists()  # a missing folder is refused, not made
+    assert existing.read_bytes() == b"a user's video"
 
 
 def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
@@ -236,3 +269,90 @@ def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"{decode.PROG}: error: --vae {tmp_path / 'nowhere'}: no such file "
                                                 "or folder"], proc.stderr
     assert not (tmp_path / "z.mp4").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]  # nothing made, not even a probe
+
+
+def test_help_speaks_to_users_and_lists_the_exit_codes(capsys):
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0
+    assert "--overwrite" in out and "-y" in out and "OUT_0.mp4" in out
+    for exit_code in ("0", "1", "2", "130", "143"):
+        assert re.search(rf"\b{exit_code} \w", out), (exit_code, out)
+    assert "planning." not in out and "choose_plan" not in out  # no internals
+
+
+def test_a_batch_writes_one_video_per_sample_and_never_replaces_one_unasked(checkpoints, tmp_path, recorded,
+                                                                           capsys):
+    z = torch.randn(2, 16, 2, 4, 6, generator=torch.Generator().manual_seed(6))
+    torch.save(z, tmp_path / "z.pt")
+    base = [tmp_path / "z.pt", "--vae", checkpoints["wan2.1-t2v"], "--denormalized", "--backend", "torch",
+            "--device", "cpu", "--frames-per-pass", "2"]
+    code, out, errors = _main([*base, "-o", tmp_path / "clip.mp4"], capsys)
+    assert code == 0 and errors == [], errors
+    assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["clip_0.mp4", "clip_1.mp4"]
+    for b in range(2):  # each sample at its own size (32 x 48), not a padded, rescaled grid
+        assert video_frames_and_size(tmp_path / f"clip_{b}.mp4") == (5, (48, 32))
+        assert _fps_of(tmp_path / f"clip_{b}.mp4") == 16
+    assert len(recorded) == 2  # one decode per sample
+    assert not torch.equal(recorded[0][0], recorded[1][0])
+    before = {b: (tmp_path / f"clip_{b}.mp4").read_bytes() for b in range(2)}
+
+    code, _, errors = _main([*base, "-o", tmp_path / "clip.mp4", "--fps", "8"], capsys)
+    assert code == 2 and errors == [f"{decode.PROG}: error: -o {tmp_path / 'clip_0.mp4'}: the file exists; pass "
+                                    "--overwrite (-y) to replace it"], errors
+    assert {b: (tmp_path / f"clip_{b}.mp4").read_bytes() for b in range(2)} == before and len(recorded) == 2
+
+    code, _, errors = _main([*base, "-o", tmp_path / "clip.mp4", "--fps", "8", "-y"], capsys)
+    assert code == 0 and errors == [], errors
+    assert all(_fps_of(tmp_path / f"clip_{b}.mp4") == 8 for b in range(2))
+
+    code, _, errors = _main([*base, "-o", tmp_path / "take-{}-final.mp4"], capsys)  # a pattern names them
+    assert code == 0 and errors == [], errors
+    assert sorted(p.name for p in tmp_path.glob("take-*.mp4")) == ["take-0-final.mp4", "take-1-final.mp4"]
+
+
+def _stderr_lines(text: str) -> list[str]:
+    """stderr without the progress bar's redraws."""
+    return [line for line in re.split(r"[\r\n]", text) if line.strip() and "VAE decode" not in line]
+
+
+def _caught_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M)[1], 16)
+
+
+@pytest.mark.parametrize("when, signum, to_group, code, word", [
+    ("while torch loads", signal.SIGINT, True, 130, "interrupted"),
+    ("mid-decode", signal.SIGINT, True, 130, "interrupted"),
+    ("mid-decode", signal.SIGTERM, False, 143, "terminated"),
+])
+def test_a_signal_at_any_moment_leaves_no_file_and_one_line(checkpoints, tmp_path, when, signum, to_group, code,
+                                                            word):
+    """Ctrl-C reaches the whole process group (ffmpeg too); SIGTERM only the command."""
+    torch.save(torch.randn(1, 16, 6, 4, 6), tmp_path / "z.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fastvideo_pan2_ext.decode", str(tmp_path / "z.pt"), "--vae",
+                             str(checkpoints["wan2.1-t2v"]), "--denormalized", "-o", str(out / "c.mp4"),
+                             "--backend", "torch", "--device", "cpu", "--frames-per-pass", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        if when == "while torch loads":  # the command catches SIGTERM from its first lines on, before torch loads
+            while not _caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "torch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+        else:  # the first frames are in the partial file
+            while not list(out.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, stderr
+    assert _stderr_lines(stderr) == [f"{decode.PROG}: error: {word}; no video written"], stderr
+    assert stdout == "" and list(out.iterdir()) == []

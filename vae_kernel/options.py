@@ -69,7 +69,7 @@ class Option:
 
 OPTIONS = (
     Option("frames_per_pass", int | str, AUTO, "latent frames per pass (memory vs speed; the same video), or 'auto': "
-           "the most that fit the memory (planning.memory.choose_plan)", _check_frames_per_pass, _count_or_auto),
+           "the most that fit the free memory", _check_frames_per_pass, _count_or_auto),
     Option("tile_rows", int | None, None, "decode in exact tiles of this many latent rows, one after another (the "
            "same video, less memory; one rank)", _check_tile_rows, _count_or_none),
     Option("max_memory", int | str | None, None, "or let the decoder pick, per latent shape, the largest tile whose "

@@ -157,8 +157,8 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     temperal_upsample = tuple(any(k.startswith(f"{upsampler_name(i, residual)}.time_conv.") for k in sd)
                               for i in levels[:-1])
     if sum(temperal_upsample) != 2:
-        raise ValueError(f"decoder upsamples in time at {sum(temperal_upsample)} levels; the Wan VAE's 4x temporal "
-                         "compression needs 2")
+        raise ValueError(f"decoder upsamples in time at {sum(temperal_upsample)} level(s); the Wan VAE's 4x "
+                         "temporal compression needs 2: not a Wan VAE's decoder")
 
     out_channels = _require_present(sd, "decoder.conv_out.weight").shape[0]
     patch_size = math.isqrt(out_channels // 3)

@@ -166,7 +166,9 @@ def free_device_bytes(device: torch.device) -> int | None:
 
 
 def format_bytes(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.3f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 class LiveBytes(TorchDispatchMode):
