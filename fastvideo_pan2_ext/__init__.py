@@ -13,7 +13,7 @@ below is first used.
 from fastvideo_pan2_ext.version import __version__
 
 __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "DecodeFailed", "register", "enable_fast_decode",
-           "disable_fast_decode", "__version__"]
+           "disable_fast_decode", "is_fast_decode_enabled", "WanVAEDecoder", "__version__"]
 
 
 def register() -> None:
@@ -36,8 +36,12 @@ def __getattr__(name: str):
         from fastvideo_pan2_ext.integration.decode_failure import DecodeFailed
 
         return DecodeFailed
-    if name in ("enable_fast_decode", "disable_fast_decode"):  # diffusers' Wan VAE; FastVideo is not imported
+    if name in ("enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled"):  # diffusers' Wan VAE
         from fastvideo_pan2_ext import diffusers_decode
 
         return getattr(diffusers_decode, name)
+    if name == "WanVAEDecoder":  # the decoder library; neither FastVideo nor diffusers is imported
+        from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+        return WanVAEDecoder
     raise AttributeError(f"module 'fastvideo_pan2_ext' has no attribute {name!r}")

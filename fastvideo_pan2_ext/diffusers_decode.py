@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
+from fastvideo_pan2_ext.vae_kernel.portable import passes
 
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
 
@@ -87,8 +89,10 @@ class _FastDecode:
     """One VAE's fast decode: its options, its decoder (built from the VAE's weights on first use, rebuilt when they
     change), and the warnings it has given."""
 
-    def __init__(self, options: decoder_options.DecoderOptions, pg) -> None:
+    def __init__(self, options: decoder_options.DecoderOptions, pg, pipeline=None) -> None:
         self.options, self.pg = options, pg
+        # The pipeline it was enabled on (weakly: the pipeline holds the VAE): its progress_bar shows the decode's.
+        self.pipeline = weakref.ref(pipeline) if pipeline is not None else lambda: None
         self._decoder: WanVAEDecoder | None = None
         self._fingerprint: tuple | None = None
         self._warned: set[str] = set()
@@ -162,6 +166,20 @@ def _decode_video(decoder: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
     return buffer.to(z.device)
 
 
+def _progress_bars_of(pipeline):
+    """The pipeline's own progress bars (diffusers' `progress_bar`, honouring `set_progress_bar_config`), or None."""
+    if not callable(getattr(pipeline, "progress_bar", None)):
+        return None
+
+    def bar(total: int):
+        progress = pipeline.progress_bar(total=total)
+        if not getattr(progress, "desc", ""):  # a disabled tqdm has none
+            progress.set_description("VAE decode", refresh=False)
+        return progress
+
+    return bar
+
+
 def _decode(vae: AutoencoderKLWan, z: torch.Tensor, return_dict: bool = True):
     """The VAE's `decode` while the fast decoder is enabled (the signature and return types of diffusers')."""
     state: _FastDecode = vae.__dict__[_STATE]
@@ -178,10 +196,14 @@ def _decode(vae: AutoencoderKLWan, z: torch.Tensor, return_dict: bool = True):
     if decoder is None:
         return type(vae).decode(vae, z, return_dict=return_dict)
     _set_tiling(decoder, vae, state.options, z, state)
-    if vae.use_slicing and z.shape[0] > 1:
-        video = torch.cat([_decode_video(decoder, one) for one in z.split(1)])
-    else:
-        video = _decode_video(decoder, z)
+    bars = passes.progress_bars.set(_progress_bars_of(state.pipeline()))
+    try:
+        if vae.use_slicing and z.shape[0] > 1:
+            video = torch.cat([_decode_video(decoder, one) for one in z.split(1)])
+        else:
+            video = _decode_video(decoder, z)
+    finally:
+        passes.progress_bars.reset(bars)
     video = video.to(vae.dtype)
     return DecoderOutput(sample=video) if return_dict else (video,)
 
@@ -192,7 +214,11 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     conv_algorithm; a ValueError names a bad one), `pg` a process group whose ranks split each decode's rows. Calling
     it again replaces the options."""
     vae = wan_vae_of(target)
-    vae.__dict__[_STATE] = _FastDecode(check_options(options, pg), pg)
+    checked = check_options(options, pg)
+    if checked.backend == "cuda" and vae.device.type != "cuda":  # refused now, not after the denoise
+        raise ValueError(f"backend='cuda' runs the compiled kernels on a GPU, but this VAE is on {vae.device}: move "
+                         "the pipeline to the GPU first (pipe.to('cuda')), or pass backend='auto' or 'torch'")
+    vae.__dict__[_STATE] = _FastDecode(checked, pg, None if target is vae else target)
     vae.__dict__["decode"] = types.MethodType(_decode, vae)  # an instance attribute: deleting it restores diffusers'
 
 

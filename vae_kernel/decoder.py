@@ -30,6 +30,15 @@ from .portable.passes import Chunk, PassRunner, latent_passes
 logger = logging.getLogger(__name__)
 
 
+def _module_device(vae_or_state_dict):
+    """Where a module's weights are (the decoder's default device); "cuda" for a state dict or a weightless module."""
+    if isinstance(vae_or_state_dict, torch.nn.Module):
+        weight = next(vae_or_state_dict.parameters(), None)
+        if weight is not None and weight.device.type != "meta":
+            return weight.device
+    return "cuda"
+
+
 def _resolve_device(device) -> torch.device:
     try:
         device = torch.device(device)
@@ -77,8 +86,9 @@ def _first_line(exc: BaseException) -> str:
 class WanVAEDecoder:
     """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
-    `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, local=False, **options)` takes diffusers' (or
-    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. The options
+    `WanVAEDecoder(vae_or_state_dict, device=None, pg=None, local=False, **options)` takes diffusers' (or
+    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. `device` defaults
+    to the module's (where its weights are), or "cuda" for a state dict. The options
     (`frames_per_pass`, `tile_rows`, `max_memory`, `backend`, `conv_algorithm`) are defined in `options.OPTIONS`.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
     [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
@@ -96,12 +106,12 @@ class WanVAEDecoder:
     nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
     """
 
-    def __init__(self, vae_or_state_dict, device="cuda", pg=None, local: bool = False, **options) -> None:
+    def __init__(self, vae_or_state_dict, device=None, pg=None, local: bool = False, **options) -> None:
         opts = self.options = options_mod.check(options)
         self.frames_per_pass = opts.frames_per_pass
         self.tile_rows = None
         self.max_memory = None
-        self.device = _resolve_device(device)
+        self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
         weights = weights_mod.checked(vae_or_state_dict)  # a bad state dict is an error before any build
         self.ops = select_ops(opts.backend, self.device, opts.conv_algorithm)
         self.config, self.weights = weights_mod.load(weights, self.device, self.ops.cpu_compute_layout)

@@ -12,6 +12,7 @@ decoded one after another: they are independent, and it keeps every activation o
 
 from __future__ import annotations
 
+import contextvars
 from typing import Iterator
 
 import torch
@@ -145,8 +146,16 @@ def collect(chunks: Iterator[Chunk], video_shape, device: torch.device) -> torch
     return video
 
 
+# A caller's own progress bars (a diffusers pipeline's `progress_bar`, so its `set_progress_bar_config` holds):
+# `progress_bars.set(lambda total: bar)` in the decoding thread; None: the decoder's own tqdm bar.
+progress_bars: contextvars.ContextVar = contextvars.ContextVar("progress_bars", default=None)
+
+
 def _progress(total: int, show: bool):
     from tqdm.auto import tqdm  # noqa: PLC0415 - only needed while decoding
 
+    factory = progress_bars.get()
+    if factory is not None:
+        return factory(total) if show and total >= 2 else tqdm(total=total, disable=True)
     return tqdm(total=total, desc="VAE decode", unit="pass", delay=_PROGRESS_DELAY_S, disable=not show or total < 2,
                 leave=False)
