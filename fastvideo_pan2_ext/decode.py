@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from fastvideo_pan2_ext.names import DECODE_COMMAND as PROG
@@ -329,8 +330,16 @@ def _stop(signum, frame):
 
 
 def main(argv=None) -> int:
-    for signum in STOPPED:
-        signal.signal(signum, _stop)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python delivers signals
+    previous = {signum: signal.signal(signum, _stop) for signum in STOPPED} if in_main_thread else {}
+    try:
+        return _run(argv)
+    finally:  # a caller in this process gets its own handlers back
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(argv) -> int:
     written: list[Path] = []
     try:
         args = parser().parse_args(argv)

@@ -3,8 +3,10 @@
 
 `target` is a diffusers `AutoencoderKLWan` or a pipeline whose `.vae` is one (`WanPipeline`,
 `WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, ...). After `enable_fast_decode`, the VAE's `decode(z,
-return_dict=True)` returns what diffusers' returns (a `DecoderOutput`, or a 1-tuple), in the VAE's dtype, computed by
-`vae_kernel.WanVAEDecoder` from the VAE's own weights. What stays diffusers':
+return_dict=True)` returns what diffusers' returns (a `DecoderOutput`, or a 1-tuple), cast to the VAE's dtype,
+computed by `vae_kernel.WanVAEDecoder` from the VAE's own weights: in bf16 products with fp32 accumulation on GPUs
+and AMX-BF16 CPUs, in fp32 on other CPUs, whatever the VAE's dtype (an fp32 VAE does not get an fp32 decode; the
+difference from one is within the allowance, docs/design.md, "Definitions"). What stays diffusers':
 
 - autograd: when grad is enabled and the latents or the decoder's parameters require grad (a training step), the call
   runs diffusers' own decode, so gradients flow (`forward()` too: it calls `decode`);
@@ -208,6 +210,17 @@ def _decode(vae: AutoencoderKLWan, z: torch.Tensor, return_dict: bool = True):
     return DecoderOutput(sample=video) if return_dict else (video,)
 
 
+def _check_budget(decoder: WanVAEDecoder | None, max_memory) -> None:
+    """ValueError when `max_memory` cannot decode even the smallest latents (one frame, one latent pixel)."""
+    if decoder is None:
+        return
+    decoder.set_max_memory(max_memory)
+    try:
+        decoder.plan((1, decoder.config.z_dim, 1, 1, 1))
+    except ValueError as exc:
+        raise ValueError(f"max_memory={max_memory!r} is below what any decode needs: {exc}") from None
+
+
 def enable_fast_decode(target, *, pg=None, **options) -> None:
     """Decode `target`'s Wan VAE (an AutoencoderKLWan, or a pipeline's `.vae`) with the fast decoder; `options` are
     `WanVAEDecoder`'s (`vae_kernel.options.OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
@@ -218,7 +231,10 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     if checked.backend == "cuda" and vae.device.type != "cuda":  # refused now, not after the denoise
         raise ValueError(f"backend='cuda' runs the compiled kernels on a GPU, but this VAE is on {vae.device}: move "
                          "the pipeline to the GPU first (pipe.to('cuda')), or pass backend='auto' or 'torch'")
-    vae.__dict__[_STATE] = _FastDecode(checked, pg, None if target is vae else target)
+    state = _FastDecode(checked, pg, None if target is vae else target)
+    if checked.max_memory is not None and vae.device.type != "meta":
+        _check_budget(state.decoder(vae), checked.max_memory)
+    vae.__dict__[_STATE] = state
     vae.__dict__["decode"] = types.MethodType(_decode, vae)  # an instance attribute: deleting it restores diffusers'
 
 

@@ -269,6 +269,13 @@ def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"{decode.PROG}: error: --vae {tmp_path / 'nowhere'}: no such file "
                                                 "or folder"], proc.stderr
     assert not (tmp_path / "z.mp4").exists()
+
+    # A missing output folder is refused by name, before the VAE is looked at: nothing is made.
+    proc = run([sys.executable, "-m", "fastvideo_pan2_ext.decode", str(tmp_path / "z.pt"), "--vae",
+                str(tmp_path / "nowhere"), "-o", str(tmp_path / "new" / "a.mp4")], env_extra=OFFLINE, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"{decode.PROG}: error: -o {tmp_path / 'new' / 'a.mp4'}: the folder "
+                                                f"{tmp_path / 'new'} does not exist (create it first)"], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]  # nothing made, not even a probe
 
 

@@ -45,3 +45,15 @@ def test_backend_cuda_for_a_vae_off_the_gpu_is_refused_when_enabled():
     with pytest.raises(ValueError, match=r"^backend='cuda' runs the compiled kernels on a GPU, but this VAE is on cpu"):
         enable_fast_decode(pipe, backend="cuda")
     assert not diffusers_decode.is_fast_decode_enabled(pipe)
+
+
+def test_options_that_cannot_work_are_refused_when_enabled_not_after_the_denoise():
+    pipe = tiny_pipeline("wan2.1")
+    with pytest.raises(ValueError, match=r"^max_memory='1KiB' is below what any decode needs: .* too small to decode "
+                                         r"latents \[1, 16, 1, 1, 1\] even in one-row tiles: that needs at least "):
+        enable_fast_decode(pipe, max_memory="1KiB")
+    with pytest.raises(ValueError, match=r"^unknown decoder option\(s\) tile_size; the options are frames_per_pass"):
+        enable_fast_decode(pipe, tile_size=2)
+    assert not diffusers_decode.is_fast_decode_enabled(pipe)
+    enable_fast_decode(pipe, max_memory="64MiB")  # a budget the smallest decode fits is taken
+    assert diffusers_decode.is_fast_decode_enabled(pipe)
