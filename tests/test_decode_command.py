@@ -210,6 +210,10 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     text_named_safetensors.write_text("not a tensor either")
     existing = tmp_path / "existing.mp4"
     existing.write_bytes(b"a user's video")
+    from diffusers import AutoencoderKLWan
+
+    one_level = tmp_path / "one-level"  # a diffusers VAE with one temporal level: not a Wan VAE the decoder knows
+    AutoencoderKLWan(base_dim=8, z_dim=48, temperal_downsample=[False, False, True]).save_pretrained(str(one_level))
     no_class = tmp_path / "no-class"
     no_class.mkdir()
     (no_class / "config.json").write_text("{}")
@@ -236,6 +240,7 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
         ([z22, "--vae", wan21], "a VAE of 16 latent channels cannot decode latents of 48"),
         ([z22, "--vae", tmp_path], "neither a diffusers VAE folder"),
         ([z22, "--vae", text], "not a VAE checkpoint"),
+        ([z22, "--vae", one_level], "decoder upsamples in time at 1 level(s); the Wan VAE's 4x temporal"),
         ([z22, "--vae", no_class], "config.json is not a diffusers model config (no _class_name), not a Wan VAE's"),
         ([z22, "--vae", wan22, "-o", a_file / "v.mp4"], f"the folder {a_file} is not a folder (create it first)"),
         ([z22, "--vae", wan22, "-o", tmp_path / "new" / "v.mp4"], f"the folder {tmp_path / 'new'} does not exist"),
