@@ -249,6 +249,8 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
         ([z22, "--vae", wan22, "--fps", "nan"], "argument --fps: must be a positive number of frames per second"),
         ([z22, "--vae", wan22, "--fps", "0"], "argument --fps: must be a positive number of frames per second"),
         ([z22, "--vae", wan22, "--max-memory", "1KiB"], "1.0 KiB (1024 bytes) is too small"),
+        ([z22, "--vae", wan22, "--backend", "cuda", "--device", "cpu"], "on the CPU use backend 'auto' or 'torch'"),
+        ([z22, "--vae", wan22, "--device", "gpu0"], "got 'gpu0' (names are such as 'cuda', 'cuda:1', 'cpu')"),
         ([z22, "--vae", wan22, "-o", tmp_path / "v.gif"], "the output must be an .mp4 file"),
         ([z22, "--vae", wan22, "--frames-per-pass", "0"], "frames_per_pass must be 'auto' or an int >= 1"),
         ([z22, "--vae", wan22, "--tile-rows", "2", "--max-memory", "1GiB"], "not both"),

@@ -49,7 +49,8 @@ def select_ops(backend, device: torch.device, conv_algorithm: str = "auto") -> O
         keep_direct = (lambda co, ci, kt: (co, ci, kt) not in layers) if isinstance(layers, frozenset) else ()
         return winograd.winograd_ops(TORCH_OPS, 2, keep_direct)
     if device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs a CUDA device; got device {device}")
+        raise ValueError(f"backend='cuda' needs a CUDA device; got device {device}: on the CPU use backend "
+                         "'auto' or 'torch'")
     try:
         layers = _winograd_layers(conv_algorithm, device)
         if layers:

@@ -43,10 +43,12 @@ def _resolve_device(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be a torch device or its name; got {device!r}") from exc
+        raise ValueError(f"device must be a torch device or its name; got {device!r} (names are such as 'cuda', "
+                         "'cuda:1', 'cpu')") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device} requested but CUDA is not available")
+            raise ValueError(f"device {device} requested but CUDA is not available (torch sees no GPU here): "
+                             "decode on the CPU (device='cpu')")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
