@@ -334,9 +334,9 @@ def main(argv=None) -> int:
     previous = {signum: signal.signal(signum, _stop) for signum in STOPPED} if in_main_thread else {}
     try:
         return _run(argv)
-    finally:  # a caller in this process gets its own handlers back
+    finally:  # a caller in this process gets its own handlers back; the program, done, just exits
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if handler is _leave_at_once else handler)
 
 
 def _run(argv) -> int:

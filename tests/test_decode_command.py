@@ -343,7 +343,7 @@ def _caught_signals(pid: int) -> int:
 def test_a_signal_at_any_moment_leaves_no_file_and_one_line(checkpoints, tmp_path, when, signum, to_group, code,
                                                             word):
     """Ctrl-C reaches the whole process group (ffmpeg too); SIGTERM only the command."""
-    torch.save(torch.randn(1, 16, 6, 4, 6), tmp_path / "z.pt")
+    torch.save(torch.randn(1, 16, 40, 4, 6), tmp_path / "z.pt")  # far more passes than it waits for
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
@@ -354,10 +354,9 @@ def test_a_signal_at_any_moment_leaves_no_file_and_one_line(checkpoints, tmp_pat
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        if when == "while torch loads":  # the command catches SIGTERM from its first lines on, before torch loads
+        if when == "while torch loads":  # the command catches SIGTERM from its first lines on, seconds before main
             while not _caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert "torch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         else:  # the first frames are in the partial file
             while not list(out.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
