@@ -1,17 +1,26 @@
-"""The fast decoder after the denoise, as serving code runs a model: decoding under `torch.inference_mode()`
-(diffusers' pipelines and FastVideo's decoding stage, on both kinds of CPU), and on a VAE whose weights were made under
-it."""
+"""The fast decoder after the denoise, as serving and training code handle a model: decoding under
+`torch.inference_mode()` (diffusers' pipelines and FastVideo's decoding stage, on both kinds of CPU), on a VAE whose
+weights were made under it, and copying a VAE with the fast decoder on (`copy.deepcopy`, `torch.save`/`torch.load`):
+a copy keeps the fast decoder with its options and decodes its own weights, on one rank once pickled
+(docs/diffusers.md, "Inference mode, copies and saved VAEs"). The `save_pretrained` round trip, which gives diffusers'
+own VAE: tests/test_diffusers_decode.py.
+"""
 
 from __future__ import annotations
 
+import copy
+import io
 import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from _diffusers_pipelines import call_kwargs, tiny_pipeline, tiny_vae
 from _pan2_helpers import forward_batch
+from _ranks import run_ranks
 
 from fastvideo_pan2_ext import enable_fast_decode
+from fastvideo_pan2_ext.diffusers_decode import is_fast_decode_enabled
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.portable import ops, weights
 
@@ -20,6 +29,22 @@ LAYOUT = "wan2.2-ti2v"
 
 def _latents(vae, seed: int = 0) -> torch.Tensor:
     return torch.randn(1, vae.config.z_dim, 3, 4, 2, generator=torch.Generator().manual_seed(seed))
+
+
+def _state(vae):
+    return vae.__dict__["_pan2_fast_decode"]
+
+
+def _fast(vae, z) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.decode(z).sample
+
+
+def _pickled(vae):
+    buffer = io.BytesIO()
+    torch.save(vae, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 # ------------------------------------------------------------------------------------------------ inference mode
@@ -93,3 +118,65 @@ def test_prepack_leaves_an_inference_tensor_unpacked(cpu_compute):
     ops.conv3d(x, w, b, out)
     ops.conv3d(x, prepared.clone(), b, expected)
     assert torch.equal(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------ copies
+
+
+def test_a_deepcopy_keeps_the_fast_decoder_and_decodes_its_own_weights():
+    vae = tiny_vae(LAYOUT)
+    enable_fast_decode(vae, tile_rows=1)
+    z = _latents(vae)
+    video = _fast(vae, z)
+    twin = copy.deepcopy(vae)
+    assert is_fast_decode_enabled(twin) and _state(twin).options == _state(vae).options
+    assert torch.equal(_fast(twin, z), video)
+    assert _state(twin)._decoder is not _state(vae)._decoder and _state(twin)._decoder.last_plan.tile_rows == 1
+    with torch.no_grad():
+        twin.decoder.conv_out.bias.add_(0.25)
+    assert not torch.equal(_fast(twin, z), video)
+    assert torch.equal(_fast(vae, z), video)
+
+
+@pytest.mark.parametrize("decoded_first", [False, True], ids=["before-a-decode", "after-a-decode"])
+def test_torch_save_and_load_keep_the_fast_decoder_with_its_options(decoded_first):
+    vae = tiny_vae(LAYOUT)
+    enable_fast_decode(vae, tile_rows=1, frames_per_pass=2)
+    vae.enable_slicing()
+    z = torch.cat([_latents(vae, 0), _latents(vae, 1)])
+    video = _fast(vae, z) if decoded_first else None
+    loaded = _pickled(vae)
+    assert is_fast_decode_enabled(loaded) and _state(loaded).options == _state(vae).options
+    if video is None:
+        video = _fast(vae, z)
+    assert torch.equal(_fast(loaded, z), video)
+    plan = _state(loaded)._decoder.last_plan  # the loaded VAE's own decoder ran, sliced, with the options
+    assert (plan.tile_rows, plan.frames_per_pass) == (1, 2)
+    assert _state(loaded)._decoder is not _state(vae)._decoder
+
+
+def test_a_given_op_table_is_shared_by_a_deepcopy_and_named_when_pickled():
+    vae = tiny_vae(LAYOUT)
+    enable_fast_decode(vae, backend=ops.TORCH_OPS)
+    z = _latents(vae)
+    video = _fast(vae, z)
+    twin = copy.deepcopy(vae)
+    assert _state(twin).options.backend is ops.TORCH_OPS and torch.equal(_fast(twin, z), video)
+    with pytest.raises(TypeError, match="cannot pickle a VAE whose fast decoder runs a given op table .*'torch'"):
+        torch.save(vae, io.BytesIO())
+
+
+def _rank_copies(rank: int, world: int, tmp: str) -> dict:
+    vae = tiny_vae(LAYOUT)
+    enable_fast_decode(vae, pg=dist.group.WORLD)
+    z = _latents(vae)
+    video = _fast(vae, z)
+    twin, loaded = copy.deepcopy(vae), _pickled(vae)
+    return {"twin": torch.equal(_fast(twin, z), video), "twin_split": _state(twin)._decoder.pg is not None,
+            "loaded": torch.equal(_fast(loaded, z), video), "loaded_split": _state(loaded)._decoder.pg is not None}
+
+
+@pytest.mark.slow
+def test_a_copy_keeps_the_process_group_and_a_pickled_vae_decodes_on_one_rank(tmp_path):
+    results = run_ranks(_rank_copies, 2, tmp_path)
+    assert all(r == {"twin": True, "twin_split": True, "loaded": True, "loaded_split": False} for r in results)
