@@ -173,10 +173,11 @@ def prepack(w: torch.Tensor) -> None:
     `weights.load` calls this) for the convs to use instead of reordering it on every call (oneDNN's own log of a
     real-width decode: 78 reorders before, 11 after, the same video bit for bit; docs/benchmarks.md). The blocking
     is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. A weight
-    changed in place afterwards is used as it is (its stale copy is not)."""
+    changed in place afterwards is used as it is (its stale copy is not); so an inference tensor, which has no
+    version counter to tell, is not prepacked."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
     if (w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
+            or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16 or w.is_inference()):
         return  # measured on bf16 only (an fp32 conv from packed weights runs another kernel: other sums)
     padding = _padding(w)
     ones = [1] * len(padding)
