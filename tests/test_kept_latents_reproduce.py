@@ -118,3 +118,21 @@ def test_a_hub_checkpoint_with_a_bf16_vae_is_decoded_again_bit_for_bit(pan2, tin
     assert torch.equal(torch.load(recorded), job_video[0])
     kept = latents_file.read(kept_path)  # what made it so
     assert (kept.vae, kept.vae_revision, kept.vae_dtype) == (HUB_ID, COMMIT, "bfloat16")
+
+
+def test_a_hub_revision_is_recorded_as_the_commit_the_cache_resolves_it_to(pan2, tiny_ckpt, tmp_path, monkeypatch):
+    """`main` (FastVideo's default) resolves to the commit of the snapshot FastVideo read; a hub checkpoint that is
+    not in the default cache (FastVideo given another place) keeps its latents with the revision as given."""
+    import huggingface_hub.constants
+
+    from fastvideo_pan2_ext.integration import kept_latents
+
+    _, args = pan2
+    monkeypatch.setattr(args, "model_path", HUB_ID)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path / "hub", tiny_ckpt)))
+    assert kept_latents._vae_source(args) == (HUB_ID, COMMIT)
+    monkeypatch.setattr(args, "revision", "v1.0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert kept_latents._vae_source(args) == (HUB_ID, "v1.0")
+    monkeypatch.setattr(args, "model_path", str(tiny_ckpt))
+    assert kept_latents._vae_source(args) == (str(tiny_ckpt), None)

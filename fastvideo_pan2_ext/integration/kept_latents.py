@@ -47,14 +47,19 @@ def _layout_and_scale(vae) -> tuple[str, int]:
 def _vae_source(fastvideo_args) -> tuple[str, str | None]:
     """Where the job's VAE came from, as the decode command finds it again: a local checkpoint's absolute path, or
     the hub id and the commit FastVideo loaded (its `revision`, a branch or tag resolved to the commit of the
-    snapshot in the local Hugging Face cache, which FastVideo loaded from)."""
+    snapshot in the local Hugging Face cache, which FastVideo loaded from; the revision as given when the cache
+    cannot say)."""
     source = str(fastvideo_args.model_path)
     if os.path.exists(source):
         return os.path.abspath(source), None
     from huggingface_hub import snapshot_download
 
+    revision = getattr(fastvideo_args, "revision", None)
     repo_id = "/".join(source.split("/")[:2])  # FastVideo's "org/name/subfolder" form names a folder of org/name
-    snapshot = snapshot_download(repo_id, revision=getattr(fastvideo_args, "revision", None), local_files_only=True)
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):  # not in the default cache (FastVideo was given another place): keep the latents
+        return source, revision
     return source, os.path.basename(snapshot)  # the cache's snapshots/<commit> folder
 
 
