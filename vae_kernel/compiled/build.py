@@ -100,12 +100,13 @@ _FOLDER = os.O_PATH | os.O_DIRECTORY  # a handle to walk through and fstat: need
 
 def _open_private(dir_fd: int, name: str, path: Path, flags: int) -> int:
     """`name` in the open folder `dir_fd` (it is `path`), opened without following a link and checked
-    (`check_private`); UntrustedCache for a link, FileNotFoundError where it is missing."""
+    (`check_private`); UntrustedCache for a link or a wrong kind, FileNotFoundError where it is missing."""
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UntrustedCache(f"{path} is a symbolic link") from None
+            kind = "folder" if flags & os.O_DIRECTORY else "file"
+            raise UntrustedCache(f"{path} is a symbolic link or not a {kind}") from None
         raise
     try:
         check_private(path, os.fstat(fd))
@@ -359,7 +360,6 @@ def open_entry(cache_fd: int, entry: Path, name: str, key: str) -> int | str | N
         files = manifest.get("files")
         if not isinstance(files, dict) or _module_file(name) not in files:
             return "manifest lists no module"
-        module_fd = None
         for filename, expected in files.items():
             if not isinstance(expected, dict) or Path(filename).name != filename:
                 return f"manifest entry {filename!r} is malformed"
@@ -368,20 +368,21 @@ def open_entry(cache_fd: int, entry: Path, name: str, key: str) -> int | str | N
             except FileNotFoundError:
                 return f"{filename} missing"
             fds.append(fd)
-            if os.fstat(fd).st_size != expected.get("size") or _sha256(_read_fd(fd)) != expected.get("sha256"):
+            try:
+                data = _read_fd(fd)
+            except OSError as exc:
+                return f"{filename} unreadable ({exc})"
+            if len(data) != expected.get("size") or hashlib.sha256(data).hexdigest() != expected.get("sha256"):
                 return f"{filename} does not match its manifest (truncated or modified)"
             if filename == _module_file(name):
-                module_fd = fds.pop()
+                module_fd = fd
+        fds.remove(module_fd)  # verified: the caller's to load
         return module_fd
     except UntrustedCache as exc:
         return str(exc)
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _move_aside(root: Path, entry: Path, reason: str) -> None:
@@ -599,6 +600,7 @@ def _load_or_build(root: Path, spec: ExtensionSpec, key: str, inputs: dict, lock
     """The verified module of the entry for `key` under `root`, built and published first where it is missing or bad.
     UntrustedCache where `root` or its cache folder fails the trust rule; _NotWritable where a build is needed and
     cannot be published."""
+    root = Path(os.path.realpath(root))  # every later path is under folders nobody else can replace (open_folder)
     entry = root / "cache" / f"{spec.name}-{key}"
     try:
         root_fd = open_folder(root, create=True)
