@@ -34,7 +34,7 @@ class Report:
 
 
 def first_line(exc: BaseException, with_type: bool = True) -> str:
-    """What the other ranks learn of an error: its type and the first line of its message."""
+    """What the other ranks learn of an error: the first line of its message, after its type (`with_type`)."""
     lines = str(exc).strip().splitlines()
     if not lines:
         return type(exc).__name__
