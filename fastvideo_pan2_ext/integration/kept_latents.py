@@ -83,4 +83,4 @@ def check_output(output_batch) -> None:
 
 
 def install() -> None:
-    adapter.wrap_execute_forward(check_output)
+    adapter.on_execute_forward(check_output)
