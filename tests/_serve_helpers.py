@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from tools import serve_load
-from tools.serve_load import EXAMPLE_CONFIG, FRAMES, SIZE, serve_config  # noqa: F401 (the tests' names)
+from tools.serve_load import EXAMPLE_CONFIG, FASTVIDEO, FRAMES, SIZE, serve_config  # noqa: F401 (the tests' names)
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).resolve().parent / "_serve_faults"  # a sitecustomize that injects worker faults

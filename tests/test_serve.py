@@ -53,12 +53,10 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
 
 
-def test_the_example_config_binds_loopback():
-    import yaml
-    from _serve_helpers import EXAMPLE_CONFIG
-
-    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    assert config["pipeline"] == "pan2" and config["server"]["host"] == "127.0.0.1"
+def test_the_example_config_serves_pan2_on_loopback_only(server):
+    assert server.config["pipeline"] == "pan2" and server.config["server"]["host"] == "127.0.0.1"
+    assert f"Uvicorn running on {server.url} " in server.output()
+    assert "PAN2 attention policy" in server.output()  # the worker built PAN2's pipeline
 
 
 def test_concurrent_clients_each_get_the_video_of_their_own_request(server, image):

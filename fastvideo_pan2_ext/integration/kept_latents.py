@@ -24,13 +24,9 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 
 from . import adapter, fast_decode, streamed_save
 from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
+from .request_failure import one_line
 
 logger = logging.getLogger(__name__)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _layout_and_scale(vae) -> tuple[str, int]:
@@ -57,7 +53,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
     path = latents_file.path_for(output)
     source = str(fastvideo_args.model_path)
     source = os.path.abspath(source) if os.path.exists(source) else source  # a hub id stays one
-    failure = DecodeFailure(_one_line(error), str(path))
+    failure = DecodeFailure(one_line(error), str(path))
     layout, scale = _layout_and_scale(vae)
     if _is_root():
         opts = fast_decode.options(vae.config) or decoder_options.DecoderOptions()
@@ -68,7 +64,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
         try:
             latents_file.write(path, kept)
         except Exception as exc:  # e.g. the disk that filled up at the save
-            failure = DecodeFailure(failure.error, None, _one_line(exc))
+            failure = DecodeFailure(failure.error, None, one_line(exc))
         logger.debug("PAN2 decode failed", exc_info=error)  # the parent says the one line
     batch.output = streamed_save.empty_output(latents.shape[0], latents.shape[3] * scale, latents.shape[4] * scale)
     batch.extra[FAILURE_KEY] = failure
