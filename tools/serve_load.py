@@ -196,7 +196,8 @@ def main() -> None:
     for run in runs:
         run["ratio_to_serial"] = round(run["requests_per_min"] / serial["requests_per_min"], 3)
         run["same_videos_as_serial"] = run["sha256_by_seed"] == serial["sha256_by_seed"]
-    result = {"command": "tools/serve_load.py " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(),
+    argv = [a if a != sys.argv[1] else f"<checkpoint {args.checkpoint.name}>" for a in sys.argv[1:]]
+    result = {"command": "tools/serve_load.py " + " ".join(argv), "date": datetime.date.today().isoformat(),
               "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},
               "request": {"size": SIZE, "num_frames": FRAMES, "num_inference_steps": STEPS},
