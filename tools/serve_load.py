@@ -167,6 +167,17 @@ def load(server: Server, image: Path, seeds, concurrency: int, timeout_s: float 
             "sha256_by_seed": {seed: sha for seed, _, sha in done}}
 
 
+def first_frame(path: Path, width: int = 192, height: int = 128) -> Path:
+    """A 3:2 gradient JPEG (the tiny request's first frame)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // (width - 1), y * 255 // (height - 1), (x * 7 + y * 3) % 256], -1)
+    Image.fromarray(pixels.astype(np.uint8)).save(path, quality=95)
+    return path
+
+
 def _cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
@@ -181,12 +192,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "tests"))
-    from _pan2_helpers import exif_rotated_jpeg  # noqa: PLC0415 - the tests' first frame
-
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        image = exif_rotated_jpeg(tmp / "first_frame.jpg", 192, 128)
+        image = first_frame(tmp / "first_frame.jpg")
         server = Server(serve_config(tmp, args.checkpoint.resolve()))
         try:
             runs = [load(server, image, range(args.requests), c) for c in args.concurrency]
