@@ -25,13 +25,9 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 
 from . import adapter, fast_decode, streamed_save
 from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
+from .request_failure import one_line
 
 logger = logging.getLogger(__name__)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _layout_and_scale(vae) -> tuple[str, int]:
@@ -75,7 +71,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
     vae = stage.vae
     output = request.output  # absolute (`KeepLatentsRequest.beside`): the line and the file work from any folder
     path = latents_file.path_for(output)
-    failure = DecodeFailure(_one_line(error), str(path))
+    failure = DecodeFailure(one_line(error), str(path))
     layout, scale = _layout_and_scale(vae)
     if _is_root():
         opts = fast_decode.options(vae.config) or decoder_options.DecoderOptions()
@@ -87,7 +83,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
                 fps=float(request.fps), output=output, decoder_options=decoder_options.as_kwargs(opts))
             latents_file.write(path, kept)
         except Exception as exc:  # e.g. the disk that filled up at the save
-            failure = DecodeFailure(failure.error, None, _one_line(exc))
+            failure = DecodeFailure(failure.error, None, one_line(exc))
         logger.debug("PAN2 decode failed", exc_info=error)  # the parent says the one line
     batch.output = streamed_save.empty_output(latents.shape[0], latents.shape[3] * scale, latents.shape[4] * scale)
     batch.extra[FAILURE_KEY] = failure
@@ -102,4 +98,4 @@ def check_output(output_batch) -> None:
 
 
 def install() -> None:
-    adapter.wrap_execute_forward(check_output)
+    adapter.on_execute_forward(check_output)
