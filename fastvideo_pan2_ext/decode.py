@@ -5,16 +5,18 @@
         [--device DEVICE] [--denormalized]
 
 LATENTS is
-- a kept-latents file (`latents_file`, e.g. what a failed FastVideo decode left beside its output): the VAE, fps,
-  decoder options and output path come from its metadata (an argument given here wins);
+- a kept-latents file (`latents_file`, e.g. what a failed FastVideo decode left beside its output): the VAE (path or
+  hub id at its recorded revision) and its dtype, fps, decoder options and output path come from its metadata (an
+  argument given here wins), so the video is the one the job would have made;
 - or a tensor file (`torch.save` or a one-tensor safetensors file) of latents [B, z_dim, T, h, w] as a pipeline
   returns them for `output_type="latent"`: diffusers' Wan pipelines and FastVideo both hand back the denoiser's
   *normalized* latents, so they are de-normalized here exactly as diffusers' WanPipeline does (`z * std + mean` with
   the VAE's `latents_mean` / `latents_std`); `--denormalized` says they already are (what the VAE's decode takes).
 
-PATH is a diffusers VAE folder, a model folder with a `vae/` subfolder, or a single original-format Wan VAE file
-(.safetensors / .pth), loaded through diffusers' own `AutoencoderKLWan.from_single_file` conversion with a config
-made locally from the architecture read from the weights (diffusers converts the Wan2.1 layout only).
+PATH is a diffusers VAE folder, a model folder with a `vae/` subfolder, a Hugging Face hub id of a model with `vae/`
+(through the local Hugging Face cache, or fetched), or a single original-format Wan VAE file (.safetensors / .pth),
+loaded through diffusers' own `AutoencoderKLWan.from_single_file` conversion with a config made locally from the
+architecture read from the weights (diffusers converts the Wan2.1 layout only).
 
 Every check (the file, the VAE against the latents, the options, the outputs) runs before any decoding; a failure
 is one line `python -m fastvideo_pan2_ext.decode: error: ...` and exit code 2, and nothing is created: an existing
@@ -160,9 +162,25 @@ def _single_file_vae(path: Path):
                                                  torch_dtype=torch.float32)
 
 
-def load_vae(path):
-    """diffusers' `AutoencoderKLWan` (fp32) from a VAE folder, a model folder with vae/, or one original-format file."""
-    path = Path(path)
+def _hub_vae(hub_id: str, revision: str | None, dtype: torch.dtype):
+    """diffusers' `AutoencoderKLWan` of a hub checkpoint (its vae/, at `revision`), through the Hugging Face cache
+    (fetched when the hub is reachable and not in it)."""
+    from diffusers import AutoencoderKLWan
+
+    parts = hub_id.split("/")  # "org/name", or FastVideo's "org/name/subfolder" form
+    try:
+        return AutoencoderKLWan.from_pretrained("/".join(parts[:2]), subfolder="/".join([*parts[2:], "vae"]),
+                                                revision=revision, torch_dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as exc:
+        at = f" at revision {revision}" if revision else ""
+        raise DecodeCommandError(f"--vae {hub_id}: no such file or folder, and no hub checkpoint with a Wan VAE{at} "
+                                 f"({str(exc).splitlines()[0]})") from None
+
+
+def load_vae(path, dtype: torch.dtype = torch.float32, revision: str | None = None):
+    """diffusers' `AutoencoderKLWan` in `dtype` from a VAE folder, a model folder with vae/, one original-format file,
+    or a hub id ("org/name", at `revision`)."""
+    source, path = str(path), Path(path)
     if path.is_dir():
         folder = next((p for p in (path, path / "vae") if (p / "config.json").is_file()), None)
         if folder is None:
@@ -179,12 +197,28 @@ def load_vae(path):
         from diffusers import AutoencoderKLWan
 
         try:
-            return AutoencoderKLWan.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
+            return AutoencoderKLWan.from_pretrained(str(folder), local_files_only=True, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError) as exc:
             raise DecodeCommandError(f"--vae {path}: cannot load it: {str(exc).splitlines()[0]}") from None
     if path.is_file():
-        return _single_file_vae(path)
+        return _single_file_vae(path).to(dtype)
+    if _is_hub_id(source):
+        return _hub_vae(source, revision, dtype)
     raise DecodeCommandError(f"--vae {path}: no such file or folder")
+
+
+def _is_hub_id(source: str) -> bool:
+    """A name the hub could hold ("org/name", optionally "/subfolder"): relative, and a valid repo id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    parts = source.split("/")
+    if len(parts) < 2 or os.path.isabs(source) or source.startswith("."):
+        return False
+    try:
+        validate_repo_id("/".join(parts[:2]))
+    except HFValidationError:
+        return False
+    return True
 
 
 def denormalize(z: torch.Tensor, vae) -> torch.Tensor:
@@ -223,8 +257,8 @@ def parser() -> argparse.ArgumentParser:
                                 "(streamed: the whole video is never in memory).")
     p.add_argument("latents", metavar="LATENTS", help="a kept-latents file, or a tensor file (torch.save or "
                    "safetensors) of latents [B, z_dim, T, h, w] as a pipeline returns them for output_type='latent'")
-    p.add_argument("--vae", metavar="PATH", help="a diffusers VAE folder, a model folder with vae/, or one "
-                   "original-format Wan VAE file (default: the kept-latents file's)")
+    p.add_argument("--vae", metavar="PATH", help="a diffusers VAE folder, a model folder with vae/, a hub id of "
+                   "one, or one original-format Wan VAE file (default: the kept-latents file's)")
     p.add_argument("-o", "--output", metavar="OUT.mp4", help="the video (default: the kept-latents file's, else "
                    "LATENTS with .mp4); its folder must exist. A batch of B latents writes one video per sample, "
                    "OUT_0.mp4 ... OUT_<B-1>.mp4, or the names of a pattern with {} (-o 'clip-{}.mp4')")
@@ -284,6 +318,8 @@ def prepare(args):
     kept = loaded if isinstance(loaded, latents_file.KeptLatents) else None
     z = kept.latents if kept else loaded
     vae_path = args.vae or (kept.vae if kept else None)
+    vae_revision = kept.vae_revision if kept and not args.vae else None  # the file's revision is its VAE's
+    vae_dtype = kept.torch_vae_dtype if kept else torch.float32  # the job's: its weights make the video
     if vae_path is None:
         raise DecodeCommandError("--vae PATH is needed for a bare latents tensor (only a kept-latents file names its "
                                  "VAE)")
@@ -296,7 +332,7 @@ def prepare(args):
         options.pop("tile_rows", None), options.pop("max_memory", None)
     options.update(given)
 
-    vae = load_vae(vae_path)
+    vae = load_vae(vae_path, vae_dtype, vae_revision)
     if vae.config.z_dim != z.shape[1]:
         raise DecodeCommandError(f"--vae {vae_path}: a VAE of {vae.config.z_dim} latent channels cannot decode "
                                  f"latents of {z.shape[1]} (shape {list(z.shape)})")

@@ -18,11 +18,15 @@ whole width: the same video as untiled, no seams), unless the options set `tile_
 apply. With `pg` (a process group of several ranks, every rank calling the pipeline with the same latents) the ranks
 split the rows of each decode and every rank gets the video (a broadcast from the group's rank 0), so diffusers'
 post-processing and a script that saves on every rank see the same video as on one GPU.
+
+A copy of the VAE (`copy.deepcopy`, `torch.save`/`torch.load`) keeps the fast decoder with its options and builds its
+own decoder from its own weights; a pickled one decodes on one rank (docs/diffusers.md,
+"Inference mode, copies and saved VAEs").
 """
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
 import weakref
 
@@ -35,6 +39,7 @@ from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.portable import passes
+from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
 
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
 
@@ -98,6 +103,19 @@ class _FastDecode:
         self._decoder: WanVAEDecoder | None = None
         self._fingerprint: tuple | None = None
         self._warned: set[str] = set()
+
+    def __deepcopy__(self, memo) -> _FastDecode:
+        """A copied VAE's: the same options and process group; its decoder is built from the copy's weights."""
+        return _FastDecode(self.options, self.pg)
+
+    def __reduce__(self):
+        """Pickled (torch.save) as its options: the loaded VAE builds its decoder from its own weights, on one rank
+        (a process group belongs to the job that made it)."""
+        backend = self.options.backend
+        if isinstance(backend, Ops):
+            raise TypeError(f"cannot pickle a VAE whose fast decoder runs a given op table (the {backend.name!r} Ops, "
+                            "functions of this process): enable it with backend 'auto', 'cuda' or 'torch' to save it")
+        return _FastDecode, (self.options, None)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -235,7 +253,9 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     if checked.max_memory is not None and vae.device.type != "meta":
         _check_budget(state.decoder(vae), checked.max_memory)
     vae.__dict__[_STATE] = state
-    vae.__dict__["decode"] = types.MethodType(_decode, vae)  # an instance attribute: deleting it restores diffusers'
+    # An instance attribute (deleting it restores diffusers'); a partial, not a bound method, so that a copy or a
+    # pickled VAE gets it bound to itself (a bound method pickles by its name, which is diffusers' private `_decode`).
+    vae.__dict__["decode"] = functools.partial(_decode, vae)
 
 
 def disable_fast_decode(target) -> None:

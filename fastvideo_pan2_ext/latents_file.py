@@ -4,12 +4,16 @@ yet, with everything `python -m fastvideo_pan2_ext.decode FILE` needs to make it
 A safetensors file holding one tensor, `latents` [B, z_dim, T, h, w], and string metadata:
 
     format            "fastvideo_pan2_ext.latents"
-    format_version    "1"
+    format_version    "2"
     normalized        "true": as a pipeline's denoiser leaves them (the decode applies `z * std + mean` with the
                       VAE's latents_mean / latents_std first); "false": already de-normalized (what the VAE's
                       decode takes)
-    vae               where the VAE comes from: a checkpoint folder (with vae/), a diffusers VAE folder, or a
-                      single original-format Wan VAE file
+    vae               where the VAE comes from, as the job was given it: a checkpoint folder (with vae/), a diffusers
+                      VAE folder or a single original-format Wan VAE file (an absolute path), or a Hugging Face hub
+                      id ("org/name"; its VAE in vae/)
+    vae_revision      the hub commit the job loaded (a hub id's; "" for a path)
+    vae_dtype         the dtype of the VAE's weights in the job ("float32", "bfloat16" or "float16"): the fast
+                      decoder prepares its weights from them, so the same video needs the same dtype
     layout            "wan2.2" or "wan2.1" (the VAE's layout; the decode command checks the VAE against it)
     fps               frames per second of the video
     decoder_options   JSON: the fast decoder's options (frames_per_pass, tile_rows, max_memory, backend,
@@ -17,8 +21,10 @@ A safetensors file holding one tensor, `latents` [B, z_dim, T, h, w], and string
     output            the video path the latents were meant for
     frames            the video's frame count (4T - 3)
 
-`write` is atomic (a temporary file beside the target, then `os.replace`: nothing partial on failure); `read`
-validates everything and raises `LatentsFileError` (a ValueError) with one line naming the problem.
+`write` publishes the file whole and durably: a temporary file beside the target, created as any new file of the
+process is (its mode follows the umask), fsynced, renamed into place, then the folder fsynced (nothing partial on
+failure, nothing lost to a crash after the line naming it). `read` validates everything and raises
+`LatentsFileError` (a ValueError) with one line naming the problem.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -35,12 +43,15 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig,
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 
 FORMAT = "fastvideo_pan2_ext.latents"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 TENSOR = "latents"
 SUFFIX = ".latents.safetensors"
 LAYOUTS = ("wan2.2", "wan2.1")
-DECODE_COMMAND = "python -m fastvideo_pan2_ext.decode"
-_FIELDS = ("format", "format_version", "normalized", "vae", "layout", "fps", "decoder_options", "output", "frames")
+VAE_DTYPES = ("float32", "bfloat16", "float16")
+DECODE_MODULE = "fastvideo_pan2_ext.decode"
+DECODE_COMMAND = f"python -m {DECODE_MODULE}"  # its name in messages
+_FIELDS = ("format", "format_version", "normalized", "vae", "vae_revision", "vae_dtype", "layout", "fps",
+           "decoder_options", "output", "frames")
 
 
 class LatentsFileError(ValueError):
@@ -58,17 +69,27 @@ class KeptLatents:
     fps: float
     decoder_options: dict
     output: str
+    vae_dtype: str = "float32"  # one of VAE_DTYPES
+    vae_revision: str | None = None  # the hub commit of a hub id
 
     @property
     def frames(self) -> int:
         return video_frames(self.latents.shape[2])
 
+    @property
+    def torch_vae_dtype(self) -> torch.dtype:
+        return getattr(torch, self.vae_dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`vae_dtype`'s spelling of a torch dtype ("bfloat16" for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
+
 
 def decode_command(path) -> str:
-    """The command that turns the kept-latents file `path` into its video."""
-    import shlex
-
-    return f"{DECODE_COMMAND} {shlex.quote(str(path))}"
+    """The command that turns the kept-latents file `path` into its video, ready to paste into a shell: this
+    process's interpreter (the one whose environment has this package) and the quoted path."""
+    return shlex.join([sys.executable, "-m", DECODE_MODULE, str(path)])
 
 
 def layout_of(config: WanVAEConfig) -> str:
@@ -93,7 +114,11 @@ def _check(kept: KeptLatents, where: str) -> None:
     if not isinstance(kept.normalized, bool):
         fail(f"normalized must be a bool; got {kept.normalized!r}")
     if not isinstance(kept.vae, str) or not kept.vae:
-        fail(f"vae must name the VAE's source (a path); got {kept.vae!r}")
+        fail(f"vae must name the VAE's source (a path or a hub id); got {kept.vae!r}")
+    if kept.vae_revision is not None and (not isinstance(kept.vae_revision, str) or not kept.vae_revision):
+        fail(f"vae_revision must be a hub revision or None; got {kept.vae_revision!r}")
+    if kept.vae_dtype not in VAE_DTYPES:
+        fail(f"vae_dtype must be one of {', '.join(VAE_DTYPES)}; got {kept.vae_dtype!r}")
     if kept.layout not in LAYOUTS:
         fail(f"layout must be one of {', '.join(LAYOUTS)}; got {kept.layout!r}")
     if isinstance(kept.fps, bool) or not isinstance(kept.fps, (int, float)) or not (math.isfinite(kept.fps)
@@ -111,23 +136,37 @@ def _check(kept: KeptLatents, where: str) -> None:
 
 
 def write(path, kept: KeptLatents) -> Path:
-    """Write `kept` to `path` atomically (its folder must exist); returns the path."""
-    from safetensors.torch import save_file
+    """Write `kept` to `path` atomically and durably (its folder must exist); returns the path."""
+    from safetensors.torch import save
 
     path = Path(path)
     _check(kept, str(path))
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "normalized": json.dumps(kept.normalized),
-                "vae": kept.vae, "layout": kept.layout, "fps": repr(float(kept.fps)),
+                "vae": kept.vae, "vae_revision": kept.vae_revision or "", "vae_dtype": kept.vae_dtype,
+                "layout": kept.layout, "fps": repr(float(kept.fps)),
                 "decoder_options": json.dumps(kept.decoder_options), "output": kept.output,
                 "frames": str(kept.frames)}
+    data = save({TENSOR: kept.latents.detach().to("cpu").contiguous()}, metadata=metadata)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.unlink(missing_ok=True)  # a leftover of a killed writer of this pid: the new file gets a new mode
     try:
-        save_file({TENSOR: kept.latents.detach().to("cpu").contiguous()}, str(partial), metadata=metadata)
-        os.chmod(partial, 0o644)  # as the videos beside it (safetensors creates its file private)
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:  # mode: 0666 & ~umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes on disk before the name points at them
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    _fsync_folder(path.parent)  # the rename itself on disk
     return path
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def metadata_of(path) -> dict[str, str] | None:
@@ -173,7 +212,8 @@ def read(path) -> KeptLatents:
         frames = int(metadata["frames"])
     except ValueError as exc:
         raise LatentsFileError(f"{path}: unreadable metadata ({exc})") from None
-    kept = KeptLatents(latents, normalized, metadata["vae"], metadata["layout"], fps, options, metadata["output"])
+    kept = KeptLatents(latents, normalized, metadata["vae"], metadata["layout"], fps, options, metadata["output"],
+                       metadata["vae_dtype"], metadata["vae_revision"] or None)
     _check(kept, str(path))
     if frames != kept.frames:
         raise LatentsFileError(f"{path}: metadata says {frames} frames; {latents.shape[2]} latent frames make "

@@ -53,16 +53,18 @@ def run_ranks(fn, world: int, tmp, *args, threads: int = 1, group: bool = True,
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, str(tmp), fn, args, threads, group, group_timeout_s))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + hang_limit_s
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + hang_limit_s
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    finally:  # every rank is stopped, even when the test is interrupted
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert not hung, f"ranks {hung} hung (still running after {hang_limit_s:.0f} s)"
     answers = []
     for r, p in enumerate(procs):

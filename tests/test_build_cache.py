@@ -25,8 +25,12 @@ pytestmark = pytest.mark.slow  # real compiles racing each other
 
 TINY_SOURCE = """
 #include <pybind11/pybind11.h>
+#include <string>
 static int add(int a, int b) { return a + b + TINY_OFFSET; }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add", &add);
+  m.def("arch", [] { return std::string("tiny"); });  // enough of the decoder extension's API to reach its self-check
+}
 """
 
 # One builder process: loads the extension through the cache and prints what it got as one JSON line.
@@ -40,6 +44,37 @@ print(json.dumps({"file": module.__file__, "sha256": hashlib.sha256(open(module.
                   "sum": module.add(2, 3)}))
 """
 
+
+# The tiny extension as the loader's source (an importable module), counting every compile of the process that
+# imports it: the loader's process and its self-check child alike.
+COUNTED_SOURCE = """
+import os
+from fastvideo_pan2_ext.vae_kernel.compiled import build
+compile_ = build._build_in_child
+def counted(*args, **kwargs):
+    with open(os.environ["TINY_COMPILES"], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    return compile_(*args, **kwargs)
+build._build_in_child = counted
+def open_tiny(source, offset):
+    return build.load_extension(build.ExtensionSpec(name="tiny_cache_ext", sources=(source,),
+                                                    extra_cflags=(f"-DTINY_OFFSET={offset}",)))
+"""
+
+# Loads the compiled op table from the tiny extension, as a decoder does (self-check child included), on the cache
+# of $WAN22_VAE_DECODE_BUILD_DIR; the tiny extension has no kernels, so its self-check fails.
+TABLE_LOADER = """
+import json, os, sys
+from fastvideo_pan2_ext.vae_kernel.compiled import loader
+from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable, ExtensionSource
+sys.path.insert(0, sys.argv[3])  # where the source's module is (the self-check child is given it too)
+try:
+    loader.load_ops("cpu", source=ExtensionSource("counted_source", "open_tiny", tuple(sys.argv[1:3]), sys.argv[3]))
+    error = None
+except CompiledUnavailable as exc:
+    error = str(exc)
+print(json.dumps({"pid": os.getpid(), "error": error}))
+"""
 
 def _env() -> dict:
     env = dict(os.environ)
@@ -198,3 +233,30 @@ def test_spec_rejects_bad_names_missing_sources_and_bad_archs(source):
         build.ExtensionSpec(name="x", sources=("/nonexistent/x.cpp",))
     with pytest.raises(ValueError, match="sm_90a"):
         build.ExtensionSpec(name="x", sources=(str(source),), cuda_archs=("90",))
+
+
+def test_an_unusable_cache_means_one_build_per_process_shared_with_its_self_check_and_no_folder_left(tmp_path,
+                                                                                                       source):
+    """A cache the process cannot use (here: group-writable) makes it build privately: once for the loader and its
+    self-check child together, saying so once, and the private folder is gone when the process exits."""
+    offset = 11000 + uuid.uuid4().int % 1000
+    root, temp, module_dir = tmp_path / "shared-cache", tmp_path / "tmp", tmp_path / "module"
+    for folder in (root, temp, module_dir):
+        folder.mkdir()
+    root.chmod(0o775)
+    (module_dir / "counted_source.py").write_text(COUNTED_SOURCE)
+    compiles = tmp_path / "compiles.log"
+    env = {**_env(), build.BUILD_DIR_ENV: str(root), "TMPDIR": str(temp), "TINY_COMPILES": str(compiles)}
+    done = subprocess.run([sys.executable, "-c", TABLE_LOADER, str(source), str(offset), str(module_dir)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert "self-check" in result["error"] and "crashed" in result["error"] and "conv3d" in result["error"], \
+        "the self-check child did not run the tiny build"
+    assert compiles.read_text().split() == [str(result["pid"])], "compiled more than once, or in the child"
+    warnings = [line for line in done.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and f"build cache {root} is not private" in warnings[0], done.stderr[-3000:]
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own, not a build
+    assert not left, f"private build folders were left in the temporary folder: {left}"
+    assert not list(root.iterdir()), "wrote into a cache others can write"

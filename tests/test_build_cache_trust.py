@@ -1,6 +1,8 @@
-"""The build cache runs only native code this user built (vae_kernel/compiled/build.py, "Trust"), with real file modes and
-owners: planted entries are real builds of another variant of a tiny C++ extension, with a manifest that matches
-them, handed to another uid (65534, "nobody") by `os.chown`; every builder is a real process.
+"""The build cache runs only native code this user built, and loads the bytes it verified (vae_kernel/compiled/build.py,
+"Trust"), with real file modes and owners: planted entries are real builds of another variant of a tiny C++
+extension, with a manifest that matches them, handed to another uid (65534, "nobody") by `os.chown`; every builder
+is a real process. The attacker who swaps a folder between the check and the load is a hook in the builder process
+that runs at that moment (the product's own load step, wrapped by the test).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import pytest
 
 from fastvideo_pan2_ext.vae_kernel.compiled import build
 
-pytestmark = [pytest.mark.slow,  # real compiles
-              pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another uid needs root (as in CI)")]
+pytestmark = pytest.mark.slow  # real compiles
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another uid needs root (as in CI)")
 
 NOBODY = 65534
 NAME = "tiny_trust_ext"
@@ -42,6 +44,23 @@ module = build.load_extension(spec, root=root)
 print(json.dumps({"file": module.__file__, "sum": module.add(2, 3)}))
 """
 
+
+# The victim of a swap: loads the extension from `root` while an attacker replaces `root` by `planted` (renamed into
+# its place, or a link to it) at the last moment the product offers: after the entry was checked, as it is loaded.
+SWAPPED = """
+import json, os, sys
+from fastvideo_pan2_ext.vae_kernel.compiled import build
+root, planted, how, source, offset = sys.argv[1:]
+load = build._import_module
+def swap_then_load(*args, **kwargs):
+    os.rename(root, root + ".checked")
+    os.rename(planted, root) if how == "renamed" else os.symlink(planted, root)
+    return load(*args, **kwargs)
+build._import_module = swap_then_load
+spec = build.ExtensionSpec(name="tiny_trust_ext", sources=(source,), extra_cflags=(f"-DTINY_OFFSET={offset}",))
+module = build.load_extension(spec, root=root)
+print(json.dumps({"file": module.__file__, "sum": module.add(2, 3)}))
+"""
 
 def _spec(source: Path, offset: int) -> build.ExtensionSpec:
     return build.ExtensionSpec(name=NAME, sources=(str(source),), extra_cflags=(f"-DTINY_OFFSET={offset}",))
@@ -99,6 +118,13 @@ def other_build(tmp_path_factory, source) -> Path:
     return Path(result["file"]).parent
 
 
+@pytest.fixture(scope="module")
+def own_build(tmp_path_factory, source) -> tuple[Path, int]:
+    """A genuine published entry of this user's, and its offset."""
+    offset = _offset()
+    result = _build(tmp_path_factory.mktemp("own"), source, offset)
+    return Path(result["file"]).parent, offset
+
 def _plant(other_build: Path, cache: Path, spec: build.ExtensionSpec) -> Path:
     """`other_build`'s code as the entry of `spec`, with a manifest that matches it (only the key rewritten)."""
     key = build.extension_key(spec)
@@ -115,6 +141,7 @@ def _offset() -> int:
     return 1000 + uuid.uuid4().int % 8000
 
 
+@needs_root
 def test_a_planted_entry_owned_by_another_user_is_not_loaded_but_moved_aside_and_rebuilt(tmp_path, source,
                                                                                            other_build):
     offset = _offset()
@@ -155,6 +182,7 @@ def test_a_cache_folder_others_can_write_is_not_trusted(tmp_path, source, other_
         shutil.rmtree(Path(result["file"]).parent, ignore_errors=True)
 
 
+@needs_root
 def test_a_shared_build_dir_from_the_environment_is_not_used(tmp_path, source, other_build):
     """$WAN22_VAE_DECODE_BUILD_DIR at a cluster's shared scratch folder (another user's, 1777) holding that user's
     entry for the very key this process wants."""
@@ -177,6 +205,7 @@ def test_a_shared_build_dir_from_the_environment_is_not_used(tmp_path, source, o
         shutil.rmtree(Path(result["file"]).parent, ignore_errors=True)
 
 
+@needs_root
 def test_a_lock_held_by_another_user_does_not_stall_the_build(tmp_path, source):
     offset = _offset()
     spec = _spec(source, offset)
@@ -205,18 +234,100 @@ def test_a_lock_held_by_another_user_does_not_stall_the_build(tmp_path, source):
 
 
 def test_a_fresh_cache_is_private_whatever_the_umask_and_its_builds_are_reused(tmp_path, source):
-    """Under umask 002 (user-private-group systems) the cache's folders and files must still be this user's only,
-    or the cache would refuse its own builds."""
+    """Under umask 002 (user-private-group systems) the folders the cache makes, above its root too, and its files
+    must still be this user's only, or others could replace them and the cache would refuse its own builds."""
     offset = _offset()
-    root = tmp_path / "fresh" / "root"
+    shared = tmp_path / "shared"  # like /tmp: anyone may write, nobody may rename another's folder
+    shared.mkdir()
+    shared.chmod(0o1777)
+    root = shared / "home" / ".cache" / "root"
     first = _build(root, source, offset, umask=0o002)
     assert first["sum"] == 5 + offset
     entry = Path(first["file"]).parent
     assert entry.parent == root / "cache"
-    for folder in (root, root / "cache", root / "build", root / "locks", entry):
+    for folder in (shared / "home", shared / "home" / ".cache", root, root / "cache", root / "build", root / "locks",
+                   entry):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     for path in entry.iterdir():
         assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
     second = _build(root, source, offset, umask=0o002)
     assert second["file"] == first["file"] and "building" not in second["stderr"]
     assert not _warnings(second["stderr"])
+
+
+def _private_root(root: Path) -> Path:
+    (root / "cache").mkdir(parents=True, mode=0o700)
+    root.chmod(0o700)
+    return root
+
+
+@pytest.mark.parametrize("how", ["renamed", "symlinked"])
+def test_a_root_swapped_between_check_and_load_does_not_change_what_is_loaded(tmp_path, source, own_build,
+                                                                              other_build, how):
+    """Whoever can write a folder above the cache can swap the root after it was checked: the bytes loaded must be
+    the bytes verified. The plant is as good as an attacker could make it: this user's, private, with a manifest
+    that matches it for this very key."""
+    genuine, offset = own_build
+    root, planted = _private_root(tmp_path / "root"), _private_root(tmp_path / "planted")
+    shutil.copytree(genuine, root / "cache" / genuine.name)
+    _plant(other_build, planted / "cache", _spec(source, offset))
+
+    done = subprocess.run([sys.executable, "-c", SWAPPED, str(root), str(planted), how, str(source), str(offset)],
+                          capture_output=True, text=True, env={**os.environ, "MAX_JOBS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "root.checked").is_dir() and root.resolve() != tmp_path / "root.checked", "no swap happened"
+    assert result["sum"] == 5 + offset, f"the swapped-in code ran (the root was {how} between check and load)"
+    assert "building" not in done.stderr, "it rebuilt instead of loading the checked build"
+
+
+def test_a_group_writable_folder_above_the_cache_makes_it_untrusted(tmp_path, source, other_build):
+    """A project folder of a shared cluster (setgid, group-writable: 2775) holding a private cache: any member of the
+    group can rename the root away and put theirs in its place, so nothing under it is loaded."""
+    offset = _offset()
+    parent = tmp_path / "project"
+    root = _private_root(parent / "root")
+    _plant(other_build, root / "cache", _spec(source, offset))  # what a member could have put in its place
+    parent.chmod(0o2775)
+    before = sorted(p.name for p in root.rglob("*"))
+
+    result = _build(root, source, offset)
+    assert result["sum"] == 5 + offset, "code from a cache others can replace ran"
+    assert not result["file"].startswith(str(root))
+    (warning,) = _warnings(result["stderr"])
+    assert f"build cache {root} is not private" in warning
+    assert f"{parent}, a folder above the build cache, is group- or world-writable (mode 0o2775)" in warning
+    assert sorted(p.name for p in root.rglob("*")) == before, "wrote into a cache others can replace"
+
+
+@pytest.mark.parametrize("layout,problem", [
+    pytest.param("a-folder-of-another-user", "is owned by uid 65534, not by this user", marks=needs_root,
+                 id="a-folder-of-another-user"),
+    pytest.param("sticky-shared-folder-then-another-users", "is group- or world-writable (mode 0o1777)",
+                 marks=needs_root, id="sticky-shared-folder-then-another-users"),
+    pytest.param("sticky-shared-folder-then-this-users", None, id="sticky-shared-folder-then-this-users"),
+    pytest.param("a-link-to-a-private-folder", None, id="a-link-to-a-private-folder")])
+def test_every_folder_above_the_root_decides_whether_it_is_trusted(tmp_path, layout, problem):
+    """The rule for the folders above the root (build.check_parent), up to `/`: this user's or root's and writable by
+    nobody else, or sticky (like /tmp) with the next folder this user's or root's."""
+    top = tmp_path / "top"
+    top.mkdir()
+    if layout == "a-folder-of-another-user":
+        root, blamed = _private_root(top / "root"), top
+        os.chown(top, NOBODY, NOBODY)
+    elif layout.startswith("sticky-shared-folder"):
+        theirs = top / "theirs"
+        root, blamed = _private_root(theirs / "root"), top
+        top.chmod(0o1777)
+        if layout.endswith("another-users"):
+            os.chown(theirs, NOBODY, NOBODY)
+    else:
+        root, blamed = top / "link", top
+        os.symlink(_private_root(top / "real"), root)
+    if problem is None:
+        os.close(build.open_folder(root))
+    else:
+        with pytest.raises(build.UntrustedCache) as caught:
+            build.open_folder(root)
+        assert str(caught.value) == f"{blamed}, a folder above the build cache, {problem}" + (
+            f" (uid {os.geteuid()}) or root" if "owned" in problem else "")

@@ -319,5 +319,6 @@ def test_two_gloo_ranks_with_the_failure_on_rank_1_retry_together(tmp_path, wan2
         assert status == "DecodeOutOfMemoryError" and "2 latent frames per pass, untiled; 1 latent frame per pass, " \
             "untiled" in message, r["smallest"]
     assert r1["error"][0] == "KeyError" and "injected" in r1["error"][1]
-    assert r0["error"] == ("RuntimeError", "rank 1 of the decode group failed while decoding; see that rank's error")
+    assert r0["error"] == ("RuntimeError",  # rank 1's own error, by name and first line
+                           f"rank 1 of the decode group failed while decoding: KeyError: {r1['error'][1]}")
     assert r0["after"][0] == "ok" and torch.equal(r0["after"][1], expected) and r1["after"] == ("ok", None)

@@ -154,6 +154,19 @@ def test_a_one_row_band_of_a_narrow_frame_gives_the_rows_the_whole_frame_gives()
         assert torch.equal(part, whole[:frames, 2 * r0:2 * r1]), (frames, r0, r1)
 
 
+@pytest.mark.skipif(not AMX_BF16, reason="a CPU without AMX-BF16 computes in fp32 and never pads a call")
+def test_a_narrow_frame_gives_the_same_video_frame_by_frame_and_two_frames_per_pass():
+    """The padding's purpose at the scale of a decode (the test above checks single convs, where few channels and
+    rounding luck can hide another kernel): a frame one latent pixel wide, decoded two frames per pass (8 output
+    pixels per call at the latent level) and frame by frame (4: oneDNN's AVX512-BF16 kernel, were it not padded),
+    gives one video bit for bit at decoder width 32 (128-channel layers)."""
+    sd = random_wan22_decoder_weights(seed=3, z_dim=4, decoder_base_dim=32)
+    z = torch.randn((1, 4, 3, 4, 1), generator=torch.Generator().manual_seed(4))
+    whole = WanVAEDecoder(sd, device="cpu", frames_per_pass=2, backend="torch").decode(z)
+    frame_by_frame = WanVAEDecoder(sd, device="cpu", frames_per_pass=1, backend="torch").decode(z)
+    assert torch.equal(frame_by_frame, whole)
+
+
 _EVERY_CONV_OF_A_BANDED_DECODE = """
 import torch
 from _vae_helpers import random_wan22_decoder_weights

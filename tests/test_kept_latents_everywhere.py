@@ -80,7 +80,7 @@ def test_a_failed_decode_that_fastvideo_would_save_keeps_the_latents(pan2, tiny_
         kept_latents.check_output(batch)  # what the parent runs on the returned batch
     assert str(raised.value) == (
         f"the decode failed (RuntimeError: injected decode failure); the latents are kept in {kept_path}; make the "
-        f"video with: python -m fastvideo_pan2_ext.decode {kept_path}")
+        f"video with: {latents_file.decode_command(kept_path)}")
 
 
 # In FastVideo's worker: PAN2_TEST_DECODE=fail:PATH makes every WanVAEDecoder.decode save the latents it was given

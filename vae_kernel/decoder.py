@@ -19,8 +19,8 @@ import torch.distributed as dist
 from . import options as options_mod
 from .backends import select_ops
 from .definitions.architecture import check_latents, video_shape
-from .distributed.agreement import DecodeRequest, agree, gather_ints, supported_dtype
-from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows
+from .distributed.agreement import DecodeRequest, agree, first_line, gather, joined, peer_error, supported_dtype
+from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows, comm_device
 from .planning import memory
 from .planning.memory import DecodePlan
 from .portable import weights as weights_mod
@@ -74,15 +74,14 @@ class DecodeRestart(torch.OutOfMemoryError):
 
 class _AttemptFailed(Exception):
     """One decode attempt failed on some rank (internal): `status` (OUT_OF_MEMORY or FAILED), the group ranks that
-    failed, this rank's own error if it is one of them, and the out-of-memory message."""
+    failed, this rank's own error if it is one of them, the first failing rank's first line, whether any rank had
+    yielded chunks, and what a rank that did not fail raises for a FAILED attempt."""
 
-    def __init__(self, status: int, ranks: list[int], error: BaseException | None, text: str, yielded: bool) -> None:
+    def __init__(self, status: int, ranks: list[int], error: BaseException | None, text: str, yielded: bool,
+                 peer_error: Exception | None) -> None:
         super().__init__(text)
         self.status, self.ranks, self.error, self.text, self.yielded = status, ranks, error, text, yielded
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        self.peer_error = peer_error
 
 
 class WanVAEDecoder:
@@ -121,6 +120,7 @@ class WanVAEDecoder:
             pg = dist.group.WORLD
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
         self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
+        self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
         self.last_plan: DecodePlan | None = None  # what the latest decode or decode_iter ran (the ranks' agreed plan)
         # The plans the latest decode (or decode_iter, over its restarts) ran out of memory at, in order
@@ -213,19 +213,23 @@ class WanVAEDecoder:
         return None
 
     def _start(self, latents, stream: bool) -> tuple[DecodePlan, LocalRows]:
-        """Check the input and plan the decode; the ranks of a group first agree on both (an error on one rank raises
-        on all; they decode at the `memory.smallest` of their plans)."""
-        rows = self._rows(latents.shape[3] if isinstance(latents, torch.Tensor) and latents.dim() == 5 else 1)
-        error = self._input_error(latents)
-        plan = None if error else self.plan(latents.shape, stream)
-        if isinstance(rows, RankRows):
-            mine = DecodeRequest(False) if error else DecodeRequest.of(latents, self.frames_per_pass,
-                                                                       plan.frames_per_pass, self.config)
-            plan = memory.smallest(DecodePlan(fpp, None) for fpp in agree(self.pg, rows.comm_device, mine, error))
-        elif error:
-            raise ValueError(error)
+        """Check the input and plan the decode; the ranks of a group first agree on both (`agreement.agree`: an error
+        on one rank, whatever it is, raises on all; they decode at the `memory.smallest` of their plans)."""
+
+        def checked_plan() -> DecodePlan:
+            error = self._input_error(latents)
+            if error:
+                raise ValueError(error)
+            return self.plan(latents.shape, stream)
+
+        if self.pg is None:
+            plan = checked_plan()
+        else:
+            planned = agree(self.pg, self._comm_device, lambda: DecodeRequest.of(
+                latents, self.frames_per_pass, checked_plan().frames_per_pass, self.config))
+            plan = memory.smallest(DecodePlan(fpp, None) for fpp in planned)
         self.last_plan = plan
-        return plan, rows
+        return plan, self._rows(latents.shape[3])
 
     # ---------------------------------------------------------------------------------------------------------------
     # Decoding
@@ -248,20 +252,22 @@ class WanVAEDecoder:
         chunks are the same, the activations are one tile's, and the histories are the whole frame's (plus margins):
         `peak_bytes(shape, tile_rows=n, stream=True)`.
         Out of memory before the first chunk: retried at a smaller plan, unseen. After it: `DecodeRestart` (every
-        rank), and iterating `decode_iter(latents)` again decodes from the first frame at the smaller plan."""
+        rank), and iterating `decode_iter(latents)` again decodes from the first frame at the smaller plan.
+        In a group, a consumer that stops before the last chunk, or before the first, closes the iterator (`close()`,
+        or by dropping it): the other ranks then raise instead of waiting for this one."""
         start = self._start(latents, stream=True)
-        return self._attempts(latents, True, start)
+        chunks = self._attempts(latents, True, start)
+        next(chunks)  # to its first yield, before any work: from here on, closing it tells the group
+        return chunks
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """latents [B, z_dim, T, h, w] (de-normalized) -> video [B, 3, 4T - 3, 16h, 16w] bf16 on rank 0, else None.
         Out of memory: retried from the start at a smaller plan (the same video); `DecodeOutOfMemoryError` when the
         smallest plan fails too."""
         start = self._start(latents, stream=False)
-        video: list[torch.Tensor] = []  # allocated inside each attempt, so that its failure is heard by the group
-        for b, frame, chunk in self._attempts(latents, False, start, video):
-            if chunk is not None:
-                video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # copies allocate nothing
-            del chunk  # not held while the next pass runs
+        video: list[torch.Tensor] = []  # allocated and filled inside each attempt, so that a failure there is heard
+        for _ in self._attempts(latents, False, start, video):
+            pass  # decode's attempts yield nothing
         return video[0] if video else None
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -288,6 +294,7 @@ class WanVAEDecoder:
         key = (tuple(latents.shape[2:]), stream)
         tried = self._tried.setdefault(key, [])
         yielded = False
+        primed = video is not None  # decode_iter's iterator is started by decode_iter itself (see there)
         plan, rows = start
         while True:
             chunks = error = None
@@ -296,26 +303,34 @@ class WanVAEDecoder:
                     chunks = self._attempt(latents, plan, rows, stream, video)
                     remaining = 0 if not rows.active or plan.tile_rows is not None and not stream else \
                         latents.shape[0] * len(latent_passes(latents.shape[2], plan.frames_per_pass))
+                    if not primed:
+                        primed = True
+                        yield None
                     for item in chunks:
                         remaining -= 1
-                        yielded = stream  # decode's own chunks are copied again by the retry: only decode_iter's count
-                        yield item
+                        if video is None:
+                            yielded = True  # decode_iter's consumer has it: a retry cannot take it back
+                            yield item
+                        elif item[2] is not None:  # decode: copied into the video here (a retry copies it again)
+                            b, frame, chunk = item
+                            video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # allocates nothing
+                            del chunk
                         del item  # not held while the next pass runs
                 except GeneratorExit:  # the consumer stopped: the group hears of it unless every chunk was out
                     status = OK if remaining <= 0 else FAILED
                     self._finish(rows, status)
                     try:
-                        self._settle(rows, status, None, False)
+                        self._settle(rows, status, None, False, "its consumer stopped iterating decode_iter")
                     except _AttemptFailed:
                         pass
                     raise
                 self._finish(rows, OK)
                 self._settle(rows, OK, None, yielded)
                 break
-            except _AttemptFailed as exc:
-                error = exc
-            except Exception as exc:  # noqa: BLE001 - the group must hear of any failure (re-raised below)
-                error = exc
+            except GeneratorExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the group hears of any failure, an interrupt too
+                error = exc  # raised again below, on this rank
             finally:
                 if chunks is not None and hasattr(chunks, "close"):
                     chunks.close()  # drops the attempt's tensors
@@ -327,9 +342,8 @@ class WanVAEDecoder:
             if failed.error is not None:
                 raise failed.error
             if failed.status == FAILED:
-                raise RuntimeError(f"rank {failed.ranks[0]} of the decode group failed while decoding; see that "
-                                   f"rank's error")
-            plan, rows = self._retry(latents, stream, key, tried, plan, rows, failed)
+                raise failed.peer_error
+            plan, rows = self._retry(latents, stream, key, tried, plan, failed)
         self.last_retries = tuple(tried)
         tried.clear()
 
@@ -342,21 +356,22 @@ class WanVAEDecoder:
             except PeerFailed:
                 pass
 
-    def _settle(self, rows: LocalRows, status: int, own: BaseException | None, yielded: bool) -> None:
-        """Every rank's own status of the attempt (OK on a rank that only heard of a failure), the idle ranks' too:
-        _AttemptFailed on every rank when any failed."""
-        text = "" if own is None else _first_line(own)
+    def _settle(self, rows: LocalRows, status: int, own: BaseException | None, yielded: bool, line: str = "") -> None:
+        """Every rank's own status of the attempt (OK on a rank that only heard of a failure), the idle ranks' too,
+        with the first line of its failure (`own`'s, or `line`): _AttemptFailed on every rank when any failed."""
+        line = first_line(own) if own is not None else line
         if not isinstance(rows, RankRows):
             if status != OK:
-                raise _AttemptFailed(status, [0], own if status == FAILED else None, text, yielded)
+                raise _AttemptFailed(status, [0], own if status == FAILED else None, line, yielded, None)
             return
-        everyone = gather_ints(rows.pg, rows.comm_device, [status, int(yielded)])
-        worst = max(s for s, _ in everyone)
+        reports = gather(rows.pg, rows.comm_device, status, [int(yielded)], line)
+        worst = max(report.status for report in reports)
         if worst == OK:
             return
-        ranks = [r for r, (s, _) in enumerate(everyone) if s == worst]
-        raise _AttemptFailed(worst, ranks, own if status == FAILED else None,
-                             text or f"rank {ranks[0]} ran out of memory", any(y for _, y in everyone))
+        failed = [report for report in reports if report.status == worst]
+        raise _AttemptFailed(worst, [report.rank for report in failed], own if status == FAILED else None,
+                             failed[0].line, any(report.values[0] for report in reports),
+                             peer_error(failed[0], "while decoding"))
 
     def _failure(self, error: BaseException, rows: LocalRows, yielded: bool) -> _AttemptFailed:
         """What a failed attempt means for every rank (after its status round and the group's settling)."""
@@ -376,21 +391,30 @@ class WanVAEDecoder:
             return failed
         raise AssertionError("a failed attempt settled as a success")  # unreachable: a rank reported its failure
 
-    def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan, rows: LocalRows,
+    def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan,
                failure: _AttemptFailed) -> tuple[DecodePlan, LocalRows]:
         """After an out-of-memory attempt (on any rank): release what it held, choose the plan below it (the ranks
-        take the `memory.smallest` of their proposals), warn, and start again (or raise when no smaller plan is
-        left)."""
+        take the `memory.smallest` of their proposals, in a round that a rank whose choice fails joins too), warn,
+        and start again (or raise when no smaller plan is left)."""
         text, yielded = failure.text, failure.yielded
         tried.append(failed)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        shape = memory.band_shape(latents.shape, self._ranks, self.ops.row_multiple)
-        smaller = self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
-                                           may_tile=self.pg is None)
-        if self.pg is not None:
-            proposals = [p for p, _ in gather_ints(self.pg, rows.comm_device,
-                                                   [0 if smaller is None else smaller[0], 0])]
+
+        def proposal() -> DecodePlan | None:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            shape = memory.band_shape(latents.shape, self._ranks, self.ops.row_multiple)
+            return self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
+                                            may_tile=self.pg is None)
+
+        def proposed_frames_per_pass() -> list[int]:  # 0: none smaller
+            smaller = proposal()
+            return [0 if smaller is None else smaller.frames_per_pass]
+
+        if self.pg is None:
+            smaller = proposal()
+        else:
+            proposals = [int(p) for p, in joined(self.pg, self._comm_device, proposed_frames_per_pass, 1,
+                                                 "choosing the plan to retry at after running out of memory")]
             smaller = None if 0 in proposals else memory.smallest(DecodePlan(p, None) for p in proposals)
         if smaller is None:
             plans = "; ".join(str(p) for p in tried)

@@ -103,6 +103,36 @@ SEAMS = (
     Seam("fastvideo.entrypoints.cli.inference_config", "_ensure_generate_cli_defaults", "... and its defaults"),
     Seam("fastvideo.entrypoints.cli.inference_config", "_validate_num_gpus", "... and its checks"),
     Seam("fastvideo.entrypoints.cli.inference_config", "_validate_generate_prompt_sources", "... and its checks"),
+    Seam("fastvideo.entrypoints.cli.serve", "ServeSubcommand.subparser_init", "adds --pipeline to serve",
+         replaced=True),
+    Seam("fastvideo.entrypoints.cli.serve", "ServeSubcommand.validate", "a PAN2 serve config is built by this "
+         "package (FastVideo's parser refuses its `pipeline` key)", replaced=True),
+    Seam("fastvideo.entrypoints.cli.serve", "ServeSubcommand.cmd", "a PAN2 server runs with its serving rules",
+         replaced=True),
+    Seam("fastvideo.entrypoints.cli.serve", "_VALIDATED_SERVE_CONFIG_ATTR", "PAN2's validate hands its serve config "
+         "to cmd where FastVideo's leaves its own"),
+    Seam("fastvideo.entrypoints.cli.inference_config", "_SERVE_OVERRIDE_PREFIXES", "a PAN2 serve config takes the "
+         "serve CLI's dotted overrides"),
+    Seam("fastvideo.api.schema", "ServeConfig", "the serve config a PAN2 server is checked into"),
+    Seam("fastvideo.api.compat", "generator_config_to_fastvideo_args", "the serve config's generator, as serve "
+         "builds it"),
+    Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
+         mentions="create_app("),
+    Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
+         "'ok', even with its workers dead)", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "_build_generation_kwargs", "PAN2 checks every request here, "
+         "before a job exists: FastVideo's create_video calls it, then queues the job", replaced=True,
+         mentions="os.makedirs(output_dir"),
+    Seam("fastvideo.entrypoints.openai.video_api", "_run_generation", "FastVideo runs jobs concurrently in the "
+         "default thread pool over one unlocked worker pipe (clients get each other's videos): PAN2 runs one at a "
+         "time", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "calls the two above by their module names",
+         mentions="_run_generation(request_id"),
+    Seam("fastvideo.entrypoints.openai.state", "get_generator", "the server's VideoGenerator"),
+    Seam("fastvideo.entrypoints.openai.state", "get_output_dir", "the server's output folder"),
+    Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE", "job status updates"),
+    Seam("fastvideo.worker.multiproc_executor", "MultiprocExecutor._init_executor", "/health asks its worker "
+         "processes (`self.workers`, each with its `proc`)", mentions="self.workers ="),
     Seam("fastvideo.entrypoints.video_generator", "VideoGenerator._generate_single_video", "FastVideo saves in the "
          "parent after the worker returns the whole video; a streamed save is requested from here, through its "
          "`_extra_overrides` keyword (copied into the worker's batch.extra)", replaced=True),
@@ -279,6 +309,17 @@ def extend_generate_cli(add_arguments: Callable, validate: Callable, run: Callab
     Idempotent."""
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
 
+    _extend_subcommand(GenerateSubcommand, add_arguments, validate, run)
+
+
+def extend_serve_cli(add_arguments: Callable, validate: Callable, run: Callable) -> None:
+    """`fastvideo serve`, as `extend_generate_cli` does `generate`."""
+    from fastvideo.entrypoints.cli.serve import ServeSubcommand
+
+    _extend_subcommand(ServeSubcommand, add_arguments, validate, run)
+
+
+def _extend_subcommand(cls, add_arguments: Callable, validate: Callable, run: Callable) -> None:
     def make_init(original):
         def subparser_init(self, subparsers):
             parser = original(self, subparsers)
@@ -299,9 +340,9 @@ def extend_generate_cli(add_arguments: Callable, validate: Callable, run: Callab
 
         return cmd
 
-    _once(GenerateSubcommand, "subparser_init", make_init)
-    _once(GenerateSubcommand, "validate", make_validate)
-    _once(GenerateSubcommand, "cmd", make_run)
+    _once(cls, "subparser_init", make_init)
+    _once(cls, "validate", make_validate)
+    _once(cls, "cmd", make_run)
 
 
 def generate_cli_overrides(args) -> list[str] | None:
@@ -343,6 +384,110 @@ def hand_run_config_to_generate(args, config) -> None:
 # --------------------------------------------------------------------------------------------------- generation
 
 
+def raw_serve_config(config_path: str, overrides: list[str] | None) -> dict:
+    """The nested serve config `fastvideo serve` builds from --config and the dotted overrides, before validation."""
+    from fastvideo.entrypoints.cli import inference_config as ic
+
+    raw = ic._load_nested_config(config_path)
+    raw.setdefault("server", {})
+    raw.setdefault("default_request", {})
+    return ic._apply_dotted_overrides(raw, overrides, allowed_prefixes=ic._SERVE_OVERRIDE_PREFIXES)
+
+
+def validated_serve_config(raw: dict):
+    """`raw` parsed into FastVideo's ServeConfig and checked as `fastvideo serve` checks it."""
+    from fastvideo.api.parser import parse_config
+    from fastvideo.api.schema import ServeConfig
+    from fastvideo.entrypoints.cli import inference_config as ic
+
+    config = parse_config(ServeConfig, raw)
+    ic._validate_num_gpus(config.generator.engine.num_gpus)
+    return config
+
+
+def hand_serve_config_to_serve(args, config) -> None:
+    """What FastVideo's own validate() leaves for its serve command: the validated serve config."""
+    from fastvideo.entrypoints.cli import serve
+
+    setattr(args, serve._VALIDATED_SERVE_CONFIG_ATTR, config)
+
+
+def validated_serve_config_of(args):
+    from fastvideo.entrypoints.cli import serve
+
+    return getattr(args, serve._VALIDATED_SERVE_CONFIG_ATTR)
+
+
+def run_video_server(config, *, check_request: Callable, run_job: Callable, health: Callable,
+                     stopped: Callable) -> None:
+    """FastVideo's REST server for `config` (a ServeConfig), with `check_request(request_id, req, original)` in
+    place of its request-to-kwargs step (returns the kwargs, or raises fastapi's HTTPException), `run_job(request_id,
+    kwargs)` (a coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
+    and `stopped()` called after FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing runs later).
+    Returns when the server stops."""
+    import contextlib
+
+    from fastvideo.api.compat import generator_config_to_fastvideo_args
+    from fastvideo.entrypoints.openai import api_server, video_api
+
+    build = video_api._build_generation_kwargs
+    video_api._build_generation_kwargs = lambda request_id, req, default_request=None: check_request(
+        request_id, req, lambda: build(request_id, req, default_request=default_request))
+    video_api._run_generation = run_job
+
+    def make(original):
+        def create_app(*args, **kwargs):
+            app = original(*args, **kwargs)
+            app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
+            app.add_api_route("/health", health, methods=["GET"])
+            fastvideo_lifespan = app.router.lifespan_context
+
+            @contextlib.asynccontextmanager
+            async def lifespan(app_):
+                try:
+                    async with fastvideo_lifespan(app_):
+                        yield
+                finally:
+                    stopped()
+
+            app.router.lifespan_context = lifespan
+            return app
+
+        return create_app
+
+    _once(api_server, "create_app", make)
+    server = config.server
+    api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
+                          output_dir=server.output_dir, default_request=config.default_request)
+
+
+def served_generator():
+    """The running server's VideoGenerator."""
+    from fastvideo.entrypoints.openai.state import get_generator
+
+    return get_generator()
+
+
+def served_output_dir() -> str:
+    from fastvideo.entrypoints.openai.state import get_output_dir
+
+    return get_output_dir()
+
+
+async def update_job(request_id: str, fields: dict) -> None:
+    """Update a job's fields in the server's job store (what GET /v1/videos/{id} answers)."""
+    from fastvideo.entrypoints.openai.stores import VIDEO_STORE
+
+    await VIDEO_STORE.update_fields(request_id, fields)
+
+
+def worker_processes(generator) -> list:
+    """The worker processes of a VideoGenerator's `mp` executor (empty for another executor)."""
+    return [worker.proc for worker in getattr(generator.executor, "workers", None) or []]
+
+
+
+
 def wrap_generate_single_video(wrapper: Callable) -> None:
     """`VideoGenerator._generate_single_video` becomes `wrapper(original, generator, prompt, sampling_param,
     fastvideo_args, **kwargs)`. Idempotent."""
@@ -377,16 +522,23 @@ def local_torch_device():
     return symbol("get_local_torch_device")()
 
 
-def wrap_execute_forward(check: Callable) -> None:
+_forward_checks: list[Callable] = []
+
+
+def on_execute_forward(check: Callable) -> None:
     """`MultiprocExecutor.execute_forward` (the parent's call into the workers) calls `check(output_batch)` on what the
-    workers return, before FastVideo reads it (`check` may raise). Idempotent."""
+    workers return, before FastVideo reads it (`check` may raise); each check once, in registration order."""
     from fastvideo.worker.multiproc_executor import MultiprocExecutor
+
+    if check not in _forward_checks:
+        _forward_checks.append(check)
 
     def make(original):
         @functools.wraps(original)
         def execute_forward(self, forward_batch, fastvideo_args):
             output_batch = original(self, forward_batch, fastvideo_args)
-            check(output_batch)
+            for each in _forward_checks:
+                each(output_batch)
             return output_batch
 
         return execute_forward

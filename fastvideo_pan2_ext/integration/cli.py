@@ -34,9 +34,9 @@ from . import adapter, decode_failure, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
-def _pan2_run_config(args):
-    raw = adapter.raw_generate_config(args.config, adapter.generate_cli_overrides(args))
-    generator = raw["generator"]
+def select_pan2(generator: dict) -> None:
+    """Make a raw config's `generator` section run PAN2 (in place), as ``--pipeline pan2`` does for ``generate`` and
+    ``serve``: the checkpoint checked, `PAN2Pipeline` selected, PAN2's config object built from its fields."""
     model_path = generator.get("model_path")
     if not model_path:
         raise ValueError("--pipeline pan2 needs a checkpoint: --generator.model_path PATH")
@@ -55,6 +55,11 @@ def _pan2_run_config(args):
         pan2_config.load_from_json(json_path)
         pan2_config.check_vae_options()
     experimental["pipeline_config"] = pan2_config
+
+
+def _pan2_run_config(args):
+    raw = adapter.raw_generate_config(args.config, adapter.generate_cli_overrides(args))
+    select_pan2(raw["generator"])
 
     request = raw["request"]
     sampling = request.setdefault("sampling", {})
@@ -127,7 +132,7 @@ def _ends_cleanly():
     def end(message: str, code: int):
         for s in _ENDINGS:  # a second Ctrl-C while stopping must not leave half a cleanup
             signal.signal(s, signal.SIG_IGN)
-        _stop_workers()
+        stop_workers()
         streamed_save.remove_left_partials()
         print(f"fastvideo generate: {message}; no video written", file=sys.stderr)
         return SystemExit(code)
@@ -141,7 +146,7 @@ def _ends_cleanly():
     except RuntimeError as exc:
         failed = decode_failure.failure_in(exc)
         if failed is not None:  # the decode failed after denoising; its latents are kept (or it says why not)
-            _stop_workers()  # idle now: stopped at once, so nothing of theirs prints after the line
+            stop_workers()  # idle now: stopped at once, so nothing of theirs prints after the line
             print(f"fastvideo generate: {failed}", file=sys.stderr)
             raise SystemExit(1) from None
         if not isinstance(exc.__cause__, (EOFError, ConnectionError)):  # FastVideo lost the pipe to a worker
@@ -152,7 +157,7 @@ def _ends_cleanly():
             signal.signal(s, handler)
 
 
-def _stop_workers(timeout_s: float = 5.0) -> None:
+def stop_workers(timeout_s: float = 5.0) -> None:
     """Terminate this process's children (FastVideo's workers: they clean up on SIGTERM), then kill stragglers."""
     children = multiprocessing.active_children()
     for child in children:

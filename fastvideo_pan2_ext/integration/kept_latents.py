@@ -3,8 +3,9 @@
 Every PAN2 request with the fast decoder on (`decode_failure.keeps_latents`) carries a `KeepLatentsRequest` from the
 parent: the video it is for, and its fps. When its decode in the worker fails for any reason after denoising (an
 exception from the decoder, a full disk at the streamed save, ...), `keep` writes the latents the VAE was given
-beside that video (`latents_file.path_for(output)`: `<stem>.latents.safetensors`, atomically, with the checkpoint,
-layout, fps and decoder options in its metadata) on rank 0 and hands FastVideo a placeholder output with a
+beside that video (`latents_file.path_for(output)`: `<stem>.latents.safetensors`, atomically, with what the decode
+command needs to make the same video in its metadata: the checkpoint as given (a path, or a hub id and the commit
+loaded), the VAE's dtype, layout, fps and decoder options) on rank 0 and hands FastVideo a placeholder output with a
 `DecodeFailure` in the batch's `extra`. In the parent, `check_output` (run on what the workers return, before
 FastVideo reads it) raises `DecodeFailed`, whose message is the one line naming the file and the decode command;
 `streamed_save` re-raises it from `VideoGenerator`, and `fastvideo generate` prints it and exits 1. An interrupt
@@ -24,13 +25,9 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 
 from . import adapter, fast_decode, streamed_save
 from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
+from .request_failure import one_line
 
 logger = logging.getLogger(__name__)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _layout_and_scale(vae) -> tuple[str, int]:
@@ -41,6 +38,25 @@ def _layout_and_scale(vae) -> tuple[str, int]:
     except ValueError:  # not weights the fast decoder reads: FastVideo's own config says which layout it is
         residual = bool(getattr(vae.config, "is_residual", False))
         return ("wan2.2", 16) if residual else ("wan2.1", 8)
+
+
+def _vae_source(fastvideo_args) -> tuple[str, str | None]:
+    """Where the job's VAE came from, as the decode command finds it again: a local checkpoint's absolute path, or
+    the hub id and the commit FastVideo loaded (its `revision`, a branch or tag resolved to the commit of the
+    snapshot in the local Hugging Face cache, which FastVideo loaded from; the revision as given when the cache
+    cannot say)."""
+    source = str(fastvideo_args.model_path)
+    if os.path.exists(source):
+        return os.path.abspath(source), None
+    from huggingface_hub import snapshot_download
+
+    revision = getattr(fastvideo_args, "revision", None)
+    repo_id = "/".join(source.split("/")[:2])  # FastVideo's "org/name/subfolder" form names a folder of org/name
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):  # not in the default cache (FastVideo was given another place): keep the latents
+        return source, revision
+    return source, os.path.basename(snapshot)  # the cache's snapshots/<commit> folder
 
 
 def _is_root() -> bool:
@@ -55,20 +71,19 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
     vae = stage.vae
     output = request.output  # absolute (`KeepLatentsRequest.beside`): the line and the file work from any folder
     path = latents_file.path_for(output)
-    source = str(fastvideo_args.model_path)
-    source = os.path.abspath(source) if os.path.exists(source) else source  # a hub id stays one
-    failure = DecodeFailure(_one_line(error), str(path))
+    failure = DecodeFailure(one_line(error), str(path))
     layout, scale = _layout_and_scale(vae)
     if _is_root():
         opts = fast_decode.options(vae.config) or decoder_options.DecoderOptions()
-        kept = latents_file.KeptLatents(
-            latents=latents, normalized=False, vae=source, layout=layout,
-            fps=float(request.fps), output=output,
-            decoder_options=decoder_options.as_kwargs(opts))
         try:
+            source, revision = _vae_source(fastvideo_args)
+            kept = latents_file.KeptLatents(
+                latents=latents, normalized=False, vae=source, vae_revision=revision,
+                vae_dtype=latents_file.dtype_name(next(vae.parameters()).dtype), layout=layout,
+                fps=float(request.fps), output=output, decoder_options=decoder_options.as_kwargs(opts))
             latents_file.write(path, kept)
         except Exception as exc:  # e.g. the disk that filled up at the save
-            failure = DecodeFailure(failure.error, None, _one_line(exc))
+            failure = DecodeFailure(failure.error, None, one_line(exc))
         logger.debug("PAN2 decode failed", exc_info=error)  # the parent says the one line
     batch.output = streamed_save.empty_output(latents.shape[0], latents.shape[3] * scale, latents.shape[4] * scale)
     batch.extra[FAILURE_KEY] = failure
@@ -83,4 +98,4 @@ def check_output(output_batch) -> None:
 
 
 def install() -> None:
-    adapter.wrap_execute_forward(check_output)
+    adapter.on_execute_forward(check_output)

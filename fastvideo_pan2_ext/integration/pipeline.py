@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
 from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
 
-from . import adapter
+from . import adapter, request_failure
 from .stages import PAN2DecodingStage, PAN2InputStage
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,17 @@ class PAN2Pipeline(adapter.symbol("WanPipeline")):
         if stage_name in REPLACED_STAGES:
             self.replaced_stages.add(stage_name)
         super().add_stage(stage_name, stage)
+
+    def forward(self, batch, fastvideo_args):
+        if not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
+            return super().forward(batch, fastvideo_args)
+        try:
+            return super().forward(batch, fastvideo_args)
+        except Exception as exc:  # not an interrupt: this request fails, the worker serves the next one
+            logger.exception("PAN2 request failed in the worker; the worker stays up")
+            batch.output = torch.empty(0)
+            batch.extra[request_failure.FAILURE_KEY] = request_failure.one_line(exc)
+            return batch
 
     def create_pipeline_stages(self, fastvideo_args) -> None:
         super().create_pipeline_stages(fastvideo_args)

@@ -12,6 +12,8 @@
    where the switch is on (`fast_decode`), with the switch's options checked when FastVideoArgs are made.
 8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
    latents of a decode that fails with the fast decoder on (`kept_latents`).
+9. Serves PAN2 with ``fastvideo serve`` (`serving`): one job at a time, requests checked at submission, a request
+   that fails in the worker failing alone (`request_failure`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
-from . import adapter, cli, fast_decode, kept_latents, streamed_save
+from . import adapter, cli, fast_decode, kept_latents, request_failure, serving, streamed_save
 from .checkpoint import check_pan2_checkpoint, looks_like_pan2
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ def register() -> None:
     cli.install()
     streamed_save.install()
     kept_latents.install()
+    adapter.on_execute_forward(request_failure.check_output)
+    serving.install()
     _registered = True
     logger.debug("fastvideo_pan2_ext registered with FastVideo")
 

@@ -8,11 +8,17 @@ The layout under the root (`$WAN22_VAE_DECODE_BUILD_DIR`, default `~/.cache/fast
     locks/<name>-<key>.lock     flock; only saves duplicate work
     verdicts/                   the self-checks' verdicts (`verification.py`)
 
-Trust: the cache runs only native code this user built. Every folder is created private (0700), every file it writes
-is this user's only (0600; the module 0700), and nothing is loaded, believed or waited on from a folder or file that
-another user owns or that is group- or world-writable (`check_private`): such an entry is moved aside and rebuilt;
-such a root or folder (a shared `$WAN22_VAE_DECODE_BUILD_DIR`, a group-writable home cache) is not used at all: the
-build runs in a fresh private temporary directory, with one warning saying why.
+Trust: the cache runs only native code this user built, and loads the very bytes it verified. The root is reached
+from `/` one folder at a time through open descriptors, never following a link (`open_folder`): every folder above
+it must be this user's or root's and writable by nobody else, or sticky with the next folder this user's or root's
+(`check_parent`: nobody else can rename or replace it); the root and everything in it must be this user's and
+writable by nobody else (`check_private`). An entry's manifest and files are opened through the root's descriptor,
+checked and hashed through their own, and the module is loaded from that descriptor (`/proc/self/fd/N`): swapping a
+folder or a link between check and load changes nothing. Folders the cache creates are 0700 and its files 0600 (the
+module 0700) whatever the umask. A bad entry is moved aside and rebuilt; a root that fails the rule (a shared
+`$WAN22_VAE_DECODE_BUILD_DIR`, a group-writable home), or cannot be written and holds no good entry, is not used at
+all: the process builds once into its own private temporary cache, removed at exit, shared by its later loads and its
+self-check children (`root_in_use`), and says so in one warning.
 
 The key hashes everything that changes the binary (sources and headers, flags, arch list, compiler versions, torch /
 CUDA / Python versions, and the spec's `key_extras`: for the decoder, the CUTLASS and package versions). A build is
@@ -26,20 +32,24 @@ published, verified binary. `load_extension` is generic over the extension; `ext
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
 import fcntl
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -70,6 +80,99 @@ def check_private(path: Path, st: os.stat_result | None = None) -> None:
         raise UntrustedCache(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
     if st.st_mode & 0o022:
         raise UntrustedCache(f"{path} is group- or world-writable (mode {oct(st.st_mode & 0o7777)})")
+
+
+def check_parent(path: Path, st: os.stat_result, child_uid: int) -> None:
+    """Raise UntrustedCache unless nobody but this user or root can rename or replace the entry, owned by
+    `child_uid`, of the folder `path` (its stat `st`): the folder is this user's or root's, and nobody else can write
+    it, or it is sticky (like /tmp) and the entry is this user's or root's."""
+    trusted = (os.geteuid(), 0)
+    if st.st_uid not in trusted:
+        raise UntrustedCache(f"{path}, a folder above the build cache, is owned by uid {st.st_uid}, not by this user "
+                             f"(uid {os.geteuid()}) or root")
+    if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and child_uid in trusted):
+        raise UntrustedCache(f"{path}, a folder above the build cache, is group- or world-writable "
+                             f"(mode {oct(st.st_mode & 0o7777)})")
+
+
+_FOLDER = os.O_PATH | os.O_DIRECTORY  # a handle to walk through and fstat: needs search permission only
+
+
+def _open_private(dir_fd: int, name: str, path: Path, flags: int) -> int:
+    """`name` in the open folder `dir_fd` (it is `path`), opened without following a link and checked
+    (`check_private`); UntrustedCache for a link or a wrong kind, FileNotFoundError where it is missing."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "folder" if flags & os.O_DIRECTORY else "file"
+            raise UntrustedCache(f"{path} is a symbolic link or not a {kind}") from None
+        raise
+    try:
+        check_private(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_folder(root: Path, create: bool = False) -> int:
+    """An open descriptor of the cache folder `root`, reached from `/` one folder at a time without following a link
+    (the real path of `root` is taken once): every folder above it passes `check_parent`, `root` `check_private`.
+    Missing folders are created 0700 whatever the umask where `create`, else FileNotFoundError. The caller closes
+    it; UntrustedCache names the folder that fails."""
+    real = Path(os.path.realpath(root))
+    fd = os.open("/", _FOLDER | os.O_CLOEXEC)
+    try:
+        path, st = Path("/"), os.fstat(fd)
+        for part in real.parts[1:]:
+            child = path / part
+            try:
+                child_fd = os.open(part, _FOLDER | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                check_parent(path, st, os.geteuid())  # never create anything in a folder others control
+                with contextlib.suppress(FileExistsError):  # another process made it first: judged below
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                    os.chmod(part, 0o700, dir_fd=fd)  # the umask may have taken bits off
+                child_fd = os.open(part, _FOLDER | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except NotADirectoryError:  # a link put in since the real path was taken, or a file
+                raise UntrustedCache(f"{child} is a symbolic link or not a folder") from None
+            os.close(fd)
+            fd = child_fd
+            child_st = os.fstat(fd)
+            if not stat.S_ISDIR(child_st.st_mode):
+                raise UntrustedCache(f"{child} is a symbolic link or not a folder")
+            check_parent(path, st, child_st.st_uid)
+            path, st = child, child_st
+        check_private(path, st)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_private(root: Path, *names: str) -> bytes:
+    """The bytes of the file `root/names[0]/.../names[-1]`, read through descriptors: `root` by `open_folder`, every
+    folder and the file below it checked (`check_private`). UntrustedCache or FileNotFoundError where not."""
+    fds = [open_folder(root)]
+    try:
+        path = Path(root)
+        for i, name in enumerate(names):
+            path = path / name
+            fds.append(_open_private(fds[-1], name, path, os.O_RDONLY if i == len(names) - 1 else _FOLDER))
+        return _read_fd(fds[-1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.pread(fd, 1 << 20, sum(map(len, chunks))):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def private_folder(root: Path, name: str | None = None) -> Path:
@@ -220,37 +323,66 @@ def _module_file(name: str) -> str:
 
 
 def verify_entry(entry: Path, name: str, key: str) -> str | None:
-    """None when `entry` is a complete, untampered build of `name` under `key`, and this user's only
-    (`check_private`: the entry, its manifest and every file it lists); otherwise what is wrong."""
+    """None when `entry` is a complete, untampered build of `name` under `key`, this user's only; otherwise what is
+    wrong (`open_entry`)."""
+    cache_fd = os.open(entry.parent, _FOLDER | os.O_CLOEXEC)
     try:
-        check_private(entry)
-        check_private(entry / MANIFEST)
-        manifest = json.loads((entry / MANIFEST).read_text())
+        found = open_entry(cache_fd, entry, name, key)
+    finally:
+        os.close(cache_fd)
+    if isinstance(found, int):
+        os.close(found)
+        return None
+    return found or "missing"
+
+
+def open_entry(cache_fd: int, entry: Path, name: str, key: str) -> int | str | None:
+    """The module file of the published build `entry` in the open cache folder `cache_fd`, opened and verified
+    through its descriptor: the entry, its manifest and every file it lists are this user's only (`check_private`),
+    not links, and match the manifest (size, sha256), which names this build. Returns that open descriptor (the
+    caller loads or closes it), what is wrong with the entry, or None where there is none."""
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(_open_private(cache_fd, entry.name, entry, _FOLDER))
+        except FileNotFoundError:
+            return None
+        entry_fd = fds[0]
+        try:
+            fds.append(_open_private(entry_fd, MANIFEST, entry / MANIFEST, os.O_RDONLY))
+            manifest = json.loads(_read_fd(fds[-1]))
+        except FileNotFoundError:
+            return "manifest missing"
+        except (OSError, ValueError) as exc:
+            return f"manifest unreadable ({exc})"
+        if not isinstance(manifest, dict) or manifest.get("key") != key or manifest.get("name") != name:
+            return "manifest names another build"
+        files = manifest.get("files")
+        if not isinstance(files, dict) or _module_file(name) not in files:
+            return "manifest lists no module"
+        for filename, expected in files.items():
+            if not isinstance(expected, dict) or Path(filename).name != filename:
+                return f"manifest entry {filename!r} is malformed"
+            try:
+                fd = _open_private(entry_fd, filename, entry / filename, os.O_RDONLY)
+            except FileNotFoundError:
+                return f"{filename} missing"
+            fds.append(fd)
+            try:
+                data = _read_fd(fd)
+            except OSError as exc:
+                return f"{filename} unreadable ({exc})"
+            if len(data) != expected.get("size") or hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+                return f"{filename} does not match its manifest (truncated or modified)"
+            if filename == _module_file(name):
+                module_fd = fd
+        fds.remove(module_fd)  # verified: the caller's to load
+        return module_fd
     except UntrustedCache as exc:
         return str(exc)
-    except FileNotFoundError:
-        return "manifest missing"
-    except (OSError, ValueError) as exc:
-        return f"manifest unreadable ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("key") != key or manifest.get("name") != name:
-        return "manifest names another build"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or _module_file(name) not in files:
-        return "manifest lists no module"
-    for filename, expected in files.items():
-        path = entry / filename
-        try:
-            st = path.stat()
-        except OSError:
-            return f"{filename} missing"
-        try:
-            check_private(path, st)
-        except UntrustedCache as exc:
-            return str(exc)
-        size = st.st_size
-        if size != expected.get("size") or _sha256_file(path) != expected.get("sha256"):
-            return f"{filename} does not match its manifest (truncated or modified)"
-    return None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _move_aside(root: Path, entry: Path, reason: str) -> None:
@@ -266,14 +398,26 @@ def _move_aside(root: Path, entry: Path, reason: str) -> None:
             raise
 
 
-def _import_module(name: str, path: Path):
+_kept_fds: list[int] = []  # the descriptors loaded modules came from, open for the process's life
+
+
+def _import_module(name: str, fd: int, path: Path):
+    """Import the extension module `name` from the open, verified file `fd` (it was `path`; whatever `path` names now
+    is not read). The descriptor stays open: the dynamic loader knows the library as /proc/self/fd/N and would hand
+    it out again for a later library opened under that name."""
     import torch  # noqa: F401  (the extension links against libtorch, which must be loaded first)
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import extension {name} from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        origin = f"/proc/self/fd/{fd}"
+        loader = importlib.machinery.ExtensionFileLoader(name, origin)
+        spec = importlib.util.spec_from_file_location(name, origin, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except BaseException:
+        os.close(fd)
+        raise
+    _kept_fds.append(fd)
+    module.__file__ = str(path)  # where the loaded bytes were verified (its folder names the build key)
     return module
 
 
@@ -395,57 +539,109 @@ def _writable(root: Path) -> bool:
         return False
 
 
+class _NotWritable(Exception):
+    """The cache cannot take a new build (and holds no good one)."""
+
+
+_process_lock = threading.Lock()
+_modules: dict[tuple[Path, str, str], object] = {}  # (root asked for, name, key) -> the module this process loaded
+_in_use: dict[Path, Path] = {}  # a root this process cannot use -> the private cache it uses instead
+_private: list[Path] = []  # this process's private cache, once made
+
+
+def root_in_use(root: str | os.PathLike | None = None) -> Path:
+    """The cache this process uses for `root` (default: `default_root()`): `root` itself, or this process's private
+    one where `root` was found untrusted or read-only. Self-check children are pointed at it, so they load this
+    process's build instead of building again; the verdicts are kept in it."""
+    root = Path(root) if root is not None else default_root()
+    return _in_use.get(root, root)
+
+
 def load_extension(spec: ExtensionSpec, root: str | os.PathLike | None = None, *, lock: bool = True,
                    lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, timeout_s: float | None = None):
-    """Import the extension described by `spec`, building and publishing it first if no good cached build exists."""
+    """Import the extension described by `spec` from the cache under `root`, building and publishing it first if
+    no good build is there (see the module notes). Once per process: later calls return the same module."""
     root = Path(root) if root is not None else default_root()
     inputs = key_inputs(spec)
     key = _key(inputs)
+    with _process_lock:
+        if (root, spec.name, key) not in _modules:
+            args = (spec, key, inputs, lock, lock_timeout_s, timeout_s)
+            try:
+                module = _load_or_build(root_in_use(root), *args)
+            except (UntrustedCache, _NotWritable) as exc:
+                if root in _in_use:
+                    raise  # this process's private cache itself failed
+                why = "is not private" if isinstance(exc, UntrustedCache) else "is not writable"
+                _in_use[root] = _private_cache(f"build cache {root} {why} ({exc})")
+                module = _load_or_build(_in_use[root], *args)
+            _modules[(root, spec.name, key)] = module
+        return _modules[(root, spec.name, key)]
+
+
+def _private_cache(why: str) -> Path:
+    """This process's private cache (made once in the temporary folder, removed at exit), saying `why` in one
+    warning line."""
+    warnings.warn(f"{why}; building in a private temporary folder removed at exit (set ${BUILD_DIR_ENV} to a "
+                  f"private, writable folder to keep builds)", RuntimeWarning, stacklevel=4)
+    if not _private:
+        _private.append(Path(tempfile.mkdtemp(prefix="wan22_vae_decode-")))
+        atexit.register(_remove_private, _private[0], os.getpid())
+    return _private[0]
+
+
+def _remove_private(folder: Path, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that exits through Python
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_or_build(root: Path, spec: ExtensionSpec, key: str, inputs: dict, lock: bool, lock_timeout_s: float,
+                   timeout_s: float | None):
+    """The verified module of the entry for `key` under `root`, built and published first where it is missing or bad.
+    UntrustedCache where `root` or its cache folder fails the trust rule; _NotWritable where a build is needed and
+    cannot be published."""
+    root = Path(os.path.realpath(root))  # every later path is under folders nobody else can replace (open_folder)
     entry = root / "cache" / f"{spec.name}-{key}"
-
     try:
-        if not _writable(root):
-            with contextlib.suppress(FileNotFoundError):  # a good entry of a private read-only cache still loads
-                for folder in (root, root / "cache"):
-                    check_private(folder)
-                if entry.is_dir() and verify_entry(entry, spec.name, key) is None:
-                    return _import_module(spec.name, entry / _module_file(spec.name))
-            return _private_build(spec, key, timeout_s, f"build cache {root} is not writable")
-        return _load_or_build(root, entry, spec, key, inputs, lock, lock_timeout_s, timeout_s)
-    except UntrustedCache as exc:
-        return _private_build(spec, key, timeout_s, f"build cache {root} is not private ({exc})")
+        root_fd = open_folder(root, create=True)
+    except OSError as exc:  # a missing folder that cannot be made
+        raise _NotWritable(f"{exc.filename or root}: {exc.strerror}") from exc
+    try:
+        for attempt in range(3):
+            try:
+                cache_fd = _open_private(root_fd, "cache", entry.parent, _FOLDER)
+            except FileNotFoundError:
+                found = None
+            else:
+                try:
+                    found = open_entry(cache_fd, entry, spec.name, key)
+                finally:
+                    os.close(cache_fd)
+            if isinstance(found, int):
+                return _import_module(spec.name, found, entry / _module_file(spec.name))
+            if attempt == 2:
+                raise BuildError(f"published build {entry} fails its check right after building ({found})")
+            if not _writable(root):
+                raise _NotWritable("no write permission")
+            if found is not None:
+                _move_aside(root, entry, found)
+            with _build_lock(root, entry, lock_timeout_s) if lock else contextlib.nullcontext():
+                if not (entry / MANIFEST).exists():  # else published while we waited: check it
+                    _build_and_publish(root, entry, spec, key, inputs, timeout_s)
+    finally:
+        os.close(root_fd)
 
 
-def _private_build(spec: ExtensionSpec, key: str, timeout_s: float | None, why: str):
-    """Build in a fresh private temporary directory (not kept), saying `why` in one warning line."""
-    warnings.warn(f"{why}; building {spec.name} in a private temporary directory (set ${BUILD_DIR_ENV} to a "
-                  f"private, writable folder to keep builds)", RuntimeWarning, stacklevel=3)
-    private = Path(tempfile.mkdtemp(prefix=f"{spec.name}-{key}-"))
-    return _import_module(spec.name, _timed_build(spec, private, timeout_s))
-
-
-def _load_or_build(root: Path, entry: Path, spec: ExtensionSpec, key: str, inputs: dict, lock: bool,
-                   lock_timeout_s: float, timeout_s: float | None):
-    for _attempt in range(2):
-        if entry.is_dir():
-            problem = verify_entry(entry, spec.name, key)
-            if problem is None:
-                return _import_module(spec.name, entry / _module_file(spec.name))
-            _move_aside(root, entry, problem)
-        lock_cm = _build_lock(root, entry, lock_timeout_s) if lock else contextlib.nullcontext()
-        with lock_cm:
-            if entry.is_dir() and verify_entry(entry, spec.name, key) is None:
-                continue  # published while we waited
-            private = private_folder(root, "build") / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            private.mkdir(mode=0o700)
-            start = time.monotonic()
-            built = _timed_build(spec, private, timeout_s)
-            _publish(root, entry, built, spec, key, inputs, time.monotonic() - start)
-            shutil.rmtree(private, ignore_errors=True)
-    problem = verify_entry(entry, spec.name, key)
-    if problem is not None:
-        raise BuildError(f"published build {entry} fails its manifest check right after building ({problem})")
-    return _import_module(spec.name, entry / _module_file(spec.name))
+def _build_and_publish(root: Path, entry: Path, spec: ExtensionSpec, key: str, inputs: dict,
+                       timeout_s: float | None) -> None:
+    private = private_folder(root, "build") / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    private.mkdir(mode=0o700)
+    try:
+        start = time.monotonic()
+        built = _timed_build(spec, private, timeout_s)
+        _publish(root, entry, built, spec, key, inputs, time.monotonic() - start)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _timed_build(spec: ExtensionSpec, build_dir: Path, timeout_s: float | None) -> Path:

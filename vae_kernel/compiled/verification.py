@@ -6,8 +6,9 @@ with the remembered reason (`remembered_verdict`). A failed verdict holds while 
 (sources, flags, toolchain, package version), the GPU model, the driver or torch changes; deleting its file (named in
 the refusal), or the whole `verdicts/` folder, makes the next process check again. A crash or a timeout of the check
 is a failure like any other: a faulting or hung kernel would fault or hang again (on a machine too loaded to finish
-the check in time, delete the file). Verdicts are this user's only (`build.check_private`): one that
-another user owns or could have written is not believed.
+the check in time, delete the file). Verdicts are kept in the cache this process uses (`build.root_in_use`) and
+read as its entries are (`build.read_private`): one that another user owns or could have written or replaced is not
+believed.
 
 The child is started with the package's own location first on its path, whatever the caller's working directory.
 """
@@ -18,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -81,8 +83,9 @@ def verify_ops(table: Ops, device: torch.device) -> None:
 
 
 def verdict_path(ext, device: torch.device, winograd: bool = False) -> Path:
-    """Where the verdict of `ext`'s self-check on `device` is kept: under the build cache, keyed by the extension (a
-    built module's file names its build key), the device model, its driver and torch."""
+    """Where the verdict of `ext`'s self-check on `device` is kept: under the build cache this process uses
+    (`build.root_in_use`), keyed by the extension (a built module's file names its build key), the device model, its
+    driver and torch."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         device_id = [props.name, list(torch.cuda.get_device_capability(device)), driver_version()]
@@ -90,7 +93,7 @@ def verdict_path(ext, device: torch.device, winograd: bool = False) -> Path:
         device_id = [device.type]
     key = hashlib.sha256(json.dumps([ext.arch(), getattr(ext, "__file__", type(ext).__name__), winograd, *device_id,
                                      torch.version.cuda, torch.__version__]).encode()).hexdigest()[:16]
-    return build.default_root() / "verdicts" / f"selfcheck-{key}.json"
+    return build.root_in_use() / "verdicts" / f"selfcheck-{key}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +115,13 @@ class Verdict:
 
 def remembered_verdict(ext, device: torch.device | str, winograd: bool = False) -> Verdict | None:
     """The verdict remembered for `ext` on `device` (see the module notes), or None: none kept, unreadable, or kept
-    where another user could have written it (`build.check_private`; such a verdict is not believed)."""
+    where another user could have written or replaced it (`build.read_private`; such a verdict is not believed)."""
     return _read_verdict(verdict_path(ext, torch.device(device), winograd))
 
 
 def _read_verdict(path: Path) -> Verdict | None:
     try:
-        for checked in (path.parent.parent, path.parent, path):
-            build.check_private(checked)
-        data = json.loads(path.read_text())
+        data = json.loads(build.read_private(path.parent.parent, path.parent.name, path.name))
         verdict = Verdict(ok=data["ok"] is True, results=tuple(CaseResult.from_json(r) for r in data["results"]),
                           failure=str(data["failure"]), created=str(data["created"]), path=path)
     except FileNotFoundError:
@@ -176,9 +177,12 @@ def verify_build_isolated(source: ExtensionSource, device: torch.device, winogra
 def _check_in_child(source: ExtensionSource, device: torch.device, winograd: bool, timeout_s: float,
                     what: str) -> list[CaseResult]:
     try:
+        # The child uses this process's cache, so it opens the build this process loaded (where the configured
+        # cache was unusable: this process's private one) instead of building again.
+        env = {**os.environ, build.BUILD_DIR_ENV: str(build.root_in_use())}
         done = subprocess.run(child_command(__name__, str(device), str(int(winograd)), *source.to_argv(),
                                             path=source.path),
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
         raise CompiledUnavailable(f"the self-check of the {what} on {device} did not finish in "
                                   f"{timeout_s:.0f} s") from exc

@@ -27,6 +27,11 @@ class PeerFailed(RuntimeError):
         super().__init__(f"ranks {sorted(statuses)} of the decode group failed")
 
 
+def comm_device(pg, device: torch.device) -> torch.device:
+    """Where the group's messages live: gloo moves CPU tensors only; NCCL moves the decoder's CUDA tensors directly."""
+    return device if "nccl" in str(dist.get_backend(pg)).lower() else torch.device("cpu")
+
+
 def split_rows(height: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
     """`height` rows as at most `parts` contiguous near-equal bands that start on multiples of `multiple` rows (the
     first ones one unit longer; the last may be shorter)."""
@@ -86,9 +91,7 @@ class RankRows(LocalRows):
         self.bands = split_rows(height, dist.get_world_size(pg), row_multiple)
         self.index = self.rank
         self.is_root = self.rank == 0
-        # gloo moves CPU tensors only; NCCL moves the decoder's CUDA tensors directly.
-        backend = str(dist.get_backend(pg)).lower()
-        self.comm_device = device if "nccl" in backend else torch.device("cpu")
+        self.comm_device = comm_device(pg, device)
 
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self.pg, index)

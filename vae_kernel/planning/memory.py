@@ -250,9 +250,14 @@ def dry_ops(device: torch.device) -> Ops:
              + int(m * (hi - 1) * longer) * (width + 1) * phases * size)
 
     def attention(q, kv, out):
-        # ... plus the score matrix a math-path softmax attention may materialise (frames x Lq x L).
-        scores = q.shape[0] * q.shape[1] * kv.shape[1]
-        hold(casts(q, kv) + (out.numel() + scores) * size)
+        # On a CPU the queries in whole blocks (`ops.attention`: a padded copy, and its result); plus the score matrix
+        # a math-path softmax attention may materialise (frames x queries x L).
+        frames, queries, channels = q.shape
+        if device.type == "cpu":
+            held = casts(kv) + 2 * frames * ops.attention_queries(queries, device) * channels * size
+        else:
+            held = casts(q, kv) + out.numel() * size
+        hold(held + frames * queries * kv.shape[1] * size)
 
     return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp)
 

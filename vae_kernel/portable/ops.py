@@ -173,10 +173,11 @@ def prepack(w: torch.Tensor) -> None:
     `weights.load` calls this) for the convs to use instead of reordering it on every call (oneDNN's own log of a
     real-width decode: 78 reorders before, 11 after, the same video bit for bit; docs/benchmarks.md). The blocking
     is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. A weight
-    changed in place afterwards is used as it is (its stale copy is not)."""
+    changed in place afterwards is used as it is (its stale copy is not); so an inference tensor, which has no
+    version counter to tell, is not prepacked."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
     if (w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16):
+            or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16 or w.is_inference()):
         return  # measured on bf16 only (an fp32 conv from packed weights runs another kernel: other sums)
     padding = _padding(w)
     ones = [1] * len(padding)
@@ -285,17 +286,40 @@ def upsample2x_conv3x3(x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, ou
             out[:, a::2, c::2, :].copy_(y[:, a:a + rows, c:c + width, a, c])
 
 
+# torch's CPU attention picks its GEMMs by the number of queries in a call (its query split; its small-GEMM paths; on
+# AMX a packed path from 64 queries on, depending on the batch and thread count too), so the queries of a band would be
+# summed in another order than the same queries of the whole frame. On a CPU every call therefore computes blocks of
+# exactly this many queries (under 64: never packed), each block one head over the same keys and values.
+CPU_QUERY_BLOCK = 32
+
+
+def attention_queries(queries: int, device: torch.device) -> int:
+    """How many queries `attention` computes for `queries` on `device`: on a CPU rounded up to whole blocks of
+    CPU_QUERY_BLOCK (zero queries, their outputs dropped), elsewhere as many as given."""
+    return -(-queries // CPU_QUERY_BLOCK) * CPU_QUERY_BLOCK if device.type == "cpu" else queries
+
+
 def attention(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
     """Single-head softmax attention over whole frames (the mid block's), scale 1/sqrt(C).
 
     q [M, Lq, C] bf16 (this band's pixels); kv [M, L, 2C] bf16 (k then v, every pixel of the frame);
-    out [M, Lq, C] bf16. M = frames.
+    out [M, Lq, C] bf16. M = frames. Each query's result is the same whatever else the call holds (bands, tiles and
+    passes of any size): on a CPU through blocks of CPU_QUERY_BLOCK queries.
     """
     dtype = compute_dtype(q.device)
-    c = q.shape[-1]
+    m, queries, c = q.shape
     k, v = kv.to(dtype).split(c, dim=-1)
-    o = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
-    out.copy_(o.squeeze(1))
+    if q.device.type != "cpu":
+        o = F.scaled_dot_product_attention(q.to(dtype).unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+        out.copy_(o.squeeze(1))
+        return
+    padded = attention_queries(queries, q.device)
+    blocks = padded // CPU_QUERY_BLOCK
+    q_blocks = q.new_zeros((m, blocks, CPU_QUERY_BLOCK, c), dtype=dtype)
+    q_blocks.view(m, padded, c)[:, :queries].copy_(q)
+    heads = (m, blocks, k.shape[1], c)  # every block a head over the same keys and values (expanded, not copied)
+    o = F.scaled_dot_product_attention(q_blocks, k.unsqueeze(1).expand(heads), v.unsqueeze(1).expand(heads))
+    out.copy_(o.reshape(m, padded, c)[:, :queries])
 
 
 def dup_up_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, skip: int) -> None:

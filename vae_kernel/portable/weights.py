@@ -106,14 +106,23 @@ def load(vae_or_state_dict, device: torch.device,
     layout, `to_compute_layout`, and the convs' weights prepacked, `ops.prepack`, unless the op table takes them as
     prepared: `Ops.cpu_compute_layout`)."""
     config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else checked(vae_or_state_dict)
-    with own_arithmetic(device):
-        prepared = {name: prepare(name, t.to(device)) for name, t in tensors.items()}
+    # The prepared tensors outlive this call, and the ops' caches of them (prepack, Winograd transforms, the compiled
+    # upsample's bias) follow their version counters, which tensors made under torch.inference_mode lack: they are
+    # made outside it, whatever mode the decoder is built in.
+    with torch.inference_mode(False), torch.no_grad(), own_arithmetic(device):
+        prepared = {name: _outside_inference_mode(prepare(name, t.to(device))) for name, t in tensors.items()}
         if device.type == "cpu" and cpu_compute_layout:
             prepared = {name: to_compute_layout(t) for name, t in prepared.items()}
             for name, t in prepared.items():
                 if t.dim() >= 5 and name != "post_quant_conv.weight":  # the convs the ops run
                     ops.prepack(t)
         return config, prepared
+
+
+def _outside_inference_mode(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where it is an inference tensor (a prepared tensor that is the VAE's own, loaded under
+    torch.inference_mode)."""
+    return t.clone() if t.is_inference() else t
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:

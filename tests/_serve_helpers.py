@@ -1,0 +1,21 @@
+"""The PAN2 test server (`tools/serve_load.Server`: `fastvideo serve --config`, the shipped example config pointed at
+the tiny checkpoint, loopback only) with a worker fault the tests can ask for."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tools import serve_load
+from tools.serve_load import EXAMPLE_CONFIG, FASTVIDEO, FRAMES, SIZE, serve_config  # noqa: F401 (the tests' names)
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = Path(__file__).resolve().parent / "_serve_faults"  # a sitecustomize that injects worker faults
+FAULT_PROMPT = "inject-decode-oom"  # a request whose prompt holds this runs out of memory in the worker's decode
+
+
+def Server(config: Path) -> serve_load.Server:
+    """A test server: every process of it runs the fault injector."""
+    return serve_load.Server(config, env={
+        "PAN2_TEST_FAULT_PROMPT": FAULT_PROMPT,
+        "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO), os.environ.get("PYTHONPATH", "")])})

@@ -1,0 +1,185 @@
+"""PAN2 served with `fastvideo serve`, as a user runs it: the shipped example config on the tiny checkpoint, loopback
+only, driven by a real HTTP client. Concurrent clients each get their own video (checked by content against
+sequential runs), bad requests are refused at submission and never reach a worker, a failure in the worker fails
+that job only, the server touches no file outside its folders, and SIGINT / SIGTERM with a job in flight leave no
+process and no partial file. One server serves the module's tests in order; the signal tests start their own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from _pan2_helpers import exif_rotated_jpeg, video_frames_and_size
+from _serve_helpers import FAULT_PROMPT, FRAMES, SIZE, Server, serve_config
+
+from tools import serve_load
+
+pytestmark = pytest.mark.slow
+
+SEEDS = (11, 22, 33)
+LONG_JOB = {"size": "384x256", "num_frames": 161, "num_inference_steps": 1}  # seconds of decode on 2 cores
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def image(folder) -> Path:
+    return exif_rotated_jpeg(folder / "first_frame.jpg", 192, 128)
+
+
+@pytest.fixture(scope="module")
+def operator_images(folder, image) -> Path:
+    images = folder / "operator-images"
+    images.mkdir()
+    (images / "frame.jpg").write_bytes(image.read_bytes())
+    return images
+
+
+@pytest.fixture(scope="module")
+def server(folder, tiny_ckpt, operator_images):
+    srv = Server(serve_config(folder, tiny_ckpt, input_dir=str(operator_images)))
+    yield srv
+    srv.kill()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+def test_the_example_config_serves_pan2_on_loopback_only(server):
+    assert server.config["pipeline"] == "pan2" and server.config["server"]["host"] == "127.0.0.1"
+    assert f"Uvicorn running on {server.url} " in server.output()
+    assert "PAN2 attention policy" in server.output()  # the worker built PAN2's pipeline
+
+
+def test_concurrent_clients_each_get_the_video_of_their_own_request(server, image):
+    sequential = {}
+    for seed in SEEDS:
+        job = server.wait(serve_load.submit(server, image, seed).json()["id"])
+        assert job["status"] == "completed", job
+        sequential[seed] = server.content_sha256(job["id"])
+    assert len(set(sequential.values())) == len(SEEDS)  # the seeds make different videos: the check can fail
+
+    with concurrent.futures.ThreadPoolExecutor(1) as background:  # the tool's load run: all sent together
+        run = background.submit(serve_load.load, server, image, SEEDS, len(SEEDS), 300)
+        seen_running, most_running = 0, 0
+        deadline = time.monotonic() + 300
+        while not run.done() and time.monotonic() < deadline:
+            jobs = server.client.get("/v1/videos").json()["data"]
+            running = sum(job["status"] == "in_progress" for job in jobs)
+            seen_running, most_running = seen_running + running, max(most_running, running)
+            time.sleep(0.2)
+        result = run.result(timeout=5)
+    assert seen_running and most_running == 1, "jobs must report in_progress, one at a time"
+    assert result["sha256_by_seed"] == sequential, "a client got another request's video"
+
+
+def _truncated_jpeg(path: Path, image: Path) -> Path:
+    data = image.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folder, tmp_path):
+    jobs_before = len(server.client.get("/v1/videos").json()["data"])
+    outside = tmp_path / "outside"
+    refused = {
+        "size 300x200": (server.submit(image, prompt="x", size="300x200", num_frames=FRAMES),
+                         "height must be a positive multiple of 32; got 200"),
+        "truncated JPEG": (server.submit(_truncated_jpeg(tmp_path / "cut.jpg", image), prompt="x", size=SIZE,
+                                         num_frames=FRAMES), "cut.jpg"),
+        "no image": (server.submit(prompt="x", size=SIZE, num_frames=FRAMES), "send the image as input_reference"),
+        "10 frames": (server.submit(image, prompt="x", size=SIZE, num_frames=10), "got 10: ask for 9 or 13"),
+        "seconds halfway": (server.submit(image, prompt="x", size=SIZE, seconds=1, fps=7),
+                            "seconds=1 at fps=7 is 7 frames, halfway between 5 and 9"),
+        "a server path": (server.submit_json(prompt="x", input_reference="/etc/hostname", size=SIZE,
+                                             num_frames=FRAMES), "this server reads no path on its disk outside"),
+        "an output folder outside": (server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE,
+                                                        num_frames=FRAMES, output_path=str(outside)),
+                                     "output_path must be a folder under the server's output_dir"),
+        "an output folder above": (server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE,
+                                                      num_frames=FRAMES, output_path="../escape"),
+                                   "output_path must be a folder under the server's output_dir"),
+    }
+    for case, (response, words) in refused.items():
+        assert response.status_code == 400, (case, response.text)
+        detail = response.json()["detail"]
+        assert words in detail and "\n" not in detail, (case, detail)
+    assert len(server.client.get("/v1/videos").json()["data"]) == jobs_before  # no job was made
+    assert not outside.exists() and not (folder / "escape").exists()
+    assert _files(server.output_dir / "uploads") == []  # the refused requests' uploads are gone
+    assert server.client.get("/health").json() == {"status": "ok"}
+
+
+def _data_url(image: Path) -> str:
+    import base64
+
+    return "data:image/jpeg;base64," + base64.b64encode(image.read_bytes()).decode()
+
+
+def test_seconds_become_4k_plus_1_frames_and_the_operators_folder_is_readable(server, operator_images):
+    response = server.submit_json(prompt="a dog", input_reference=str(operator_images / "frame.jpg"), size=SIZE,
+                                  seconds=1, fps=8, seed=5, output_path="by-client")
+    assert response.status_code == 200, response.text
+    job = server.wait(response.json()["id"])
+    assert job["status"] == "completed", job
+    video = Path(job["file_path"])
+    assert video.parent == (server.output_dir / "by-client").resolve()
+    assert video_frames_and_size(video) == (9, (96, 64))  # 1 s x 8 fps = 8 frames -> the nearest 4k + 1
+
+
+def test_a_failure_in_the_worker_fails_that_job_only(server, image):
+    worker = server.worker_pid()
+    failed = server.wait(server.submit(image, prompt=f"a cat {FAULT_PROMPT}", size=SIZE,
+                                       num_frames=FRAMES).json()["id"])
+    assert failed["status"] == "failed", failed
+    message = failed["error"]["message"]
+    assert message.startswith("OutOfMemoryError: CUDA out of memory (injected") and "\n" not in message, message
+    assert server.client.get(f"/v1/videos/{failed['id']}/content").status_code == 500
+    good = server.wait(server.submit(image, prompt="a cat", size=SIZE, num_frames=FRAMES).json()["id"])
+    assert good["status"] == "completed", good
+    assert server.worker_pid() == worker and server.client.get("/health").json() == {"status": "ok"}
+    assert _files(server.output_dir / "uploads") == []  # every job's upload went with it
+    videos = _files(server.output_dir / "videos")
+    assert videos and all(not p.name.startswith(".") for p in videos)  # no partial file
+
+
+def test_a_dead_worker_is_reported_and_ctrl_c_leaves_nothing(server, image):
+    job_id = server.submit(image, prompt="a long one", **LONG_JOB).json()["id"]
+    server.wait(job_id, until=("in_progress",), timeout_s=120)
+    os.kill(server.worker_pid(), signal.SIGKILL)
+    failed = server.wait(job_id)
+    assert failed["status"] == "failed" and "a worker process stopped" in failed["error"]["message"], failed
+    health = server.client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unhealthy", health.text
+    server.client.close()
+    server.stopped_by(signal.SIGINT, group=True)
+    assert server.session_processes() == []
+    assert [p for p in _files(server.output_dir) if p.name.startswith(".")] == []  # no partial file
+
+
+@pytest.mark.parametrize("signum, group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c-to-the-group", "sigterm-to-the-server"])
+def test_a_signal_with_a_job_in_flight_leaves_no_process_and_no_file(tiny_ckpt, tmp_path, image, signum, group):
+    srv = Server(serve_config(tmp_path, tiny_ckpt))
+    try:
+        job_id = srv.submit(image, prompt="a long one", **LONG_JOB).json()["id"]
+        srv.wait(job_id, until=("in_progress",), timeout_s=120)
+        deadline = time.monotonic() + 120  # the decoding stage writes the mp4 while it decodes: signal then
+        while not list((srv.output_dir / "videos").glob(".*.partial.mp4")) and time.monotonic() < deadline:
+            assert srv.job(job_id)["status"] == "in_progress", srv.job(job_id)
+            time.sleep(0.2)
+        assert list((srv.output_dir / "videos").glob(".*.partial.mp4")), "the job was not writing its video"
+        srv.client.close()
+        srv.stopped_by(signum, group)
+        assert srv.session_processes() == []
+        assert _files(srv.output_dir) == [], _files(srv.output_dir)  # no video, no partial file, no upload
+    finally:
+        srv.kill()

@@ -1,0 +1,54 @@
+"""The PAN2 server's rules that need no model: `seconds` to frames, the serving options, and a bad serve config
+refused in one line before any model loads (the real `fastvideo serve` command)."""
+
+from __future__ import annotations
+
+
+import pytest
+import yaml
+from _pan2_helpers import OFFLINE, run
+from _serve_helpers import EXAMPLE_CONFIG, FASTVIDEO
+
+from fastvideo_pan2_ext.integration.serving import ServingRules, frames_for_seconds
+
+
+@pytest.mark.parametrize("seconds, fps, frames", [(4, 24, 97), (1, 8, 9), (5, 24, 121), (1, 1, 1), (2, 3, 5)])
+def test_seconds_become_the_nearest_4k_plus_1_frames(seconds, fps, frames):
+    assert frames_for_seconds(seconds, fps) == frames
+
+
+@pytest.mark.parametrize("seconds, fps, words", [
+    (1, 7, "7 frames, halfway between 5 and 9"), (1, 3, "3 frames, halfway between 1 and 5"),
+    (0, 24, "seconds must be a whole number >= 1; got 0"), (1.5, 24, "got 1.5"), (True, 24, "got True")])
+def test_seconds_that_cannot_be_mapped_are_refused_with_the_numbers(seconds, fps, words):
+    with pytest.raises(ValueError, match=words):
+        frames_for_seconds(seconds, fps)
+
+
+def test_the_serving_options_are_checked(tmp_path):
+    rules = ServingRules.from_config(str(tmp_path / "out"), input_dir=str(tmp_path), upload_retention_s=30)
+    assert rules == ServingRules(tmp_path / "out", tmp_path, 30.0) and (tmp_path / "out" / "videos").is_dir()
+    with pytest.raises(ValueError, match="server.input_dir must be an existing folder; got '/no/such'"):
+        ServingRules.from_config(str(tmp_path), input_dir="/no/such")
+    for bad in (-1, float("nan"), "10", True):
+        with pytest.raises(ValueError, match="server.upload_retention_s must be a number of seconds >= 0"):
+            ServingRules.from_config(str(tmp_path), upload_retention_s=bad)
+
+
+@pytest.mark.slow
+def test_a_bad_serve_config_is_one_line_before_any_model_loads(tiny_ckpt, tmp_path):
+    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    config["generator"]["model_path"] = str(tiny_ckpt)
+    config["server"]["output_dir"] = str(tmp_path / "out")
+    cases = {"pan3": ("pipeline", "pan3", "unknown pipeline 'pan3'; known pipelines: pan2"),
+             "not a checkpoint": ("model_path", str(tmp_path), "not a PAN2 checkpoint")}
+    for case, (key, value, words) in cases.items():
+        bad = yaml.safe_load(yaml.safe_dump(config))
+        (bad if key == "pipeline" else bad["generator"])[key] = value
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        proc = run([str(FASTVIDEO), "serve", "--config", str(path)], env_extra=OFFLINE, timeout=300)
+        assert proc.returncode == 2, (case, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("fastvideo serve: error: ")]
+        assert len(errors) == 1 and words in errors[0], (case, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr and "Loading model" not in proc.stdout + proc.stderr, case
