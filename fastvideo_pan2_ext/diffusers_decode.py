@@ -30,6 +30,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.portable.weights import state_dict_of
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
@@ -63,7 +64,7 @@ def wan_vae_of(target) -> AutoencoderKLWan:
 def unsupported_reason(vae: AutoencoderKLWan) -> str | None:
     """Why the fast decoder cannot decode this VAE (diffusers then decodes it), or None when it can."""
     try:
-        config = infer_config(vae.state_dict())
+        config = infer_config(state_dict_of(vae))
     except ValueError as exc:
         return str(exc)
     patch_size = vae.config.patch_size or 1
@@ -77,20 +78,20 @@ def _decoder_parameters(vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
     return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
 
 
-def _fingerprint(vae: AutoencoderKLWan) -> tuple:
-    """Changes when any decoder weight is replaced, moved, cast or modified in place (the version counter counts
-    in-place writes such as `load_state_dict`; edits through `.data` are invisible to it)."""
-    return tuple((id(p), p._version, p.data_ptr(), p.dtype, p.device, p.shape) for p in _decoder_parameters(vae))
+def _offloaded_layer_by_layer(vae: AutoencoderKLWan) -> bool:
+    """accelerate's sequential offload (`enable_sequential_cpu_offload`): the weights wait on the meta device and
+    each layer's are loaded just for its forward."""
+    return any(p.device.type == "meta" for p in _decoder_parameters(vae))
 
 
 class _FastDecode:
-    """One VAE's fast decode: its options, its decoder (built from the VAE's weights on first use, rebuilt when they
-    change), and the warnings it has given."""
+    """One VAE's fast decode: its options, its decoder (made from the VAE on first use, on the VAE's device; its
+    prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`, `follow_vae`), and the warnings it has
+    given."""
 
     def __init__(self, options: decoder_options.DecoderOptions, pg) -> None:
         self.options, self.pg = options, pg
         self._decoder: WanVAEDecoder | None = None
-        self._fingerprint: tuple | None = None
         self._warned: set[str] = set()
 
     def warn_once(self, key: str, message: str) -> None:
@@ -99,21 +100,28 @@ class _FastDecode:
             warnings.warn(message, stacklevel=4)
 
     def decoder(self, vae: AutoencoderKLWan) -> WanVAEDecoder | None:
-        """The decoder of `vae`'s current weights, or None (after one warning) when it is outside the architecture."""
-        fingerprint = _fingerprint(vae)
-        if self._fingerprint != fingerprint:
-            reason = unsupported_reason(vae)
-            if reason is not None:
-                self._decoder = None
-                self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
-                                              f"decoder's architecture ({reason}); decoding with diffusers' decode")
-            else:
-                opts = self.options
-                self._decoder = WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
-                                              frames_per_pass=opts.frames_per_pass, backend=opts.backend,
-                                              conv_algorithm=opts.conv_algorithm)
-            self._fingerprint = fingerprint
+        """The decoder of `vae`, or None (after one warning) when diffusers decodes it: outside the architecture, or
+        offloaded layer by layer."""
+        if _offloaded_layer_by_layer(vae):
+            self.warn_once("sequential", "enable_fast_decode: this AutoencoderKLWan is offloaded layer by layer "
+                                         "(enable_sequential_cpu_offload), so its weights are never on the GPU at "
+                                         "once; decoding with diffusers' decode")
+            return None
+        reason = unsupported_reason(vae)
+        if reason is not None:
+            self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
+                                          f"decoder's architecture ({reason}); decoding with diffusers' decode")
+            return None
+        if self._decoder is None or self._decoder.device != vae.device:
+            opts = self.options
+            self._decoder = WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
+                                          frames_per_pass=opts.frames_per_pass, backend=opts.backend,
+                                          conv_algorithm=opts.conv_algorithm)
         return self._decoder
+
+    def vae_moved(self) -> None:
+        if self._decoder is not None:
+            self._decoder.follow_vae()
 
 
 def _autograd_records(vae: AutoencoderKLWan, z) -> bool:
@@ -186,6 +194,16 @@ def _decode(vae: AutoencoderKLWan, z: torch.Tensor, return_dict: bool = True):
     return DecoderOutput(sample=video) if return_dict else (video,)
 
 
+def _apply(vae: AutoencoderKLWan, *args, **kwargs):
+    """The VAE's `_apply` (what `.to()`, `.cpu()`, `.cuda()`, casts and accelerate's offload hooks run) while the
+    fast decoder is enabled: diffusers', then the decoder's prepared weights leave a device the VAE left."""
+    result = type(vae)._apply(vae, *args, **kwargs)
+    state = vae.__dict__.get(_STATE)
+    if state is not None:
+        state.vae_moved()
+    return result
+
+
 def enable_fast_decode(target, *, pg=None, **options) -> None:
     """Decode `target`'s Wan VAE (an AutoencoderKLWan, or a pipeline's `.vae`) with the fast decoder; `options` are
     `WanVAEDecoder`'s (`vae_kernel.options.OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
@@ -194,6 +212,7 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     vae = wan_vae_of(target)
     vae.__dict__[_STATE] = _FastDecode(check_options(options, pg), pg)
     vae.__dict__["decode"] = types.MethodType(_decode, vae)  # an instance attribute: deleting it restores diffusers'
+    vae.__dict__["_apply"] = types.MethodType(_apply, vae)
 
 
 def disable_fast_decode(target) -> None:
@@ -201,6 +220,7 @@ def disable_fast_decode(target) -> None:
     vae = wan_vae_of(target)
     vae.__dict__.pop(_STATE, None)
     vae.__dict__.pop("decode", None)
+    vae.__dict__.pop("_apply", None)
 
 
 def is_fast_decode_enabled(target) -> bool:
