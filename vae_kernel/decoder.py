@@ -77,8 +77,11 @@ class WanVAEDecoder:
     """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
     `WanVAEDecoder(vae_or_state_dict, device="cuda", pg=None, local=False, **options)` takes diffusers' (or
-    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. The options
-    (`frames_per_pass`, `tile_rows`, `max_memory`, `backend`, `conv_algorithm`) are defined in `options.OPTIONS`.
+    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. Made from a module,
+    it follows the module's weights: each decode first takes any change of them (`sync_weights`), and its prepared
+    weights can leave the device with the module (`follow_vae`); made from a state dict, it keeps the values given.
+    The options (`frames_per_pass`, `tile_rows`, `max_memory`, `backend`, `conv_algorithm`) are defined in
+    `options.OPTIONS`.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
     [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
     rank 0 returns the video (the others None); `local=True` decodes on the calling rank alone. `backend`: "auto"
