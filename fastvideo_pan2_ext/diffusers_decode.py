@@ -37,6 +37,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.portable.weights import state_dict_of
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.portable import passes
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
@@ -72,7 +73,7 @@ def wan_vae_of(target) -> AutoencoderKLWan:
 def unsupported_reason(vae: AutoencoderKLWan) -> str | None:
     """Why the fast decoder cannot decode this VAE (diffusers then decodes it), or None when it can."""
     try:
-        config = infer_config(vae.state_dict())
+        config = infer_config(state_dict_of(vae))
     except ValueError as exc:
         return str(exc)
     patch_size = vae.config.patch_size or 1
@@ -86,22 +87,22 @@ def _decoder_parameters(vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
     return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
 
 
-def _fingerprint(vae: AutoencoderKLWan) -> tuple:
-    """Changes when any decoder weight is replaced, moved, cast or modified in place (the version counter counts
-    in-place writes such as `load_state_dict`; edits through `.data` are invisible to it)."""
-    return tuple((id(p), p._version, p.data_ptr(), p.dtype, p.device, p.shape) for p in _decoder_parameters(vae))
+def _offloaded_layer_by_layer(vae: AutoencoderKLWan) -> bool:
+    """accelerate's sequential offload (`enable_sequential_cpu_offload`): the weights wait on the meta device and
+    each layer's are loaded just for its forward."""
+    return any(p.device.type == "meta" for p in _decoder_parameters(vae))
 
 
 class _FastDecode:
-    """One VAE's fast decode: its options, its decoder (built from the VAE's weights on first use, rebuilt when they
-    change), and the warnings it has given."""
+    """One VAE's fast decode: its options, its decoder (made from the VAE on first use, on the VAE's device; its
+    prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`, `follow_vae`), and the warnings it has
+    given."""
 
     def __init__(self, options: decoder_options.DecoderOptions, pg, pipeline=None) -> None:
         self.options, self.pg = options, pg
         # The pipeline it was enabled on (weakly: the pipeline holds the VAE): its progress_bar shows the decode's.
         self.pipeline = weakref.ref(pipeline) if pipeline is not None else lambda: None
         self._decoder: WanVAEDecoder | None = None
-        self._fingerprint: tuple | None = None
         self._warned: set[str] = set()
 
     def __deepcopy__(self, memo) -> _FastDecode:
@@ -123,21 +124,28 @@ class _FastDecode:
             warnings.warn(message, stacklevel=4)
 
     def decoder(self, vae: AutoencoderKLWan) -> WanVAEDecoder | None:
-        """The decoder of `vae`'s current weights, or None (after one warning) when it is outside the architecture."""
-        fingerprint = _fingerprint(vae)
-        if self._fingerprint != fingerprint:
-            reason = unsupported_reason(vae)
-            if reason is not None:
-                self._decoder = None
-                self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
-                                              f"decoder's architecture ({reason}); decoding with diffusers' decode")
-            else:
-                opts = self.options
-                self._decoder = WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
-                                              frames_per_pass=opts.frames_per_pass, backend=opts.backend,
-                                              conv_algorithm=opts.conv_algorithm)
-            self._fingerprint = fingerprint
+        """The decoder of `vae`, or None (after one warning) when diffusers decodes it: outside the architecture, or
+        offloaded layer by layer."""
+        if _offloaded_layer_by_layer(vae):
+            self.warn_once("sequential", "enable_fast_decode: this AutoencoderKLWan is offloaded layer by layer "
+                                         "(enable_sequential_cpu_offload), so its weights are never on the GPU at "
+                                         "once; decoding with diffusers' decode")
+            return None
+        reason = unsupported_reason(vae)
+        if reason is not None:
+            self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
+                                          f"decoder's architecture ({reason}); decoding with diffusers' decode")
+            return None
+        if self._decoder is None or self._decoder.device != vae.device:
+            opts = self.options
+            self._decoder = WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
+                                          frames_per_pass=opts.frames_per_pass, backend=opts.backend,
+                                          conv_algorithm=opts.conv_algorithm)
         return self._decoder
+
+    def vae_moved(self) -> None:
+        if self._decoder is not None:
+            self._decoder.follow_vae()
 
 
 def _autograd_records(vae: AutoencoderKLWan, z) -> bool:
@@ -239,6 +247,16 @@ def _check_budget(decoder: WanVAEDecoder | None, max_memory) -> None:
         raise ValueError(f"max_memory={max_memory!r} is below what any decode needs: {exc}") from None
 
 
+def _apply(vae: AutoencoderKLWan, *args, **kwargs):
+    """The VAE's `_apply` (what `.to()`, `.cpu()`, `.cuda()`, casts and accelerate's offload hooks run) while the
+    fast decoder is enabled: diffusers', then the decoder's prepared weights leave a device the VAE left."""
+    result = type(vae)._apply(vae, *args, **kwargs)
+    state = vae.__dict__.get(_STATE)
+    if state is not None:
+        state.vae_moved()
+    return result
+
+
 def enable_fast_decode(target, *, pg=None, **options) -> None:
     """Decode `target`'s Wan VAE (an AutoencoderKLWan, or a pipeline's `.vae`) with the fast decoder; `options` are
     `WanVAEDecoder`'s (`vae_kernel.options.OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
@@ -256,6 +274,7 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     # An instance attribute (deleting it restores diffusers'); a partial, not a bound method, so that a copy or a
     # pickled VAE gets it bound to itself (a bound method pickles by its name, which is diffusers' private `_decode`).
     vae.__dict__["decode"] = functools.partial(_decode, vae)
+    vae.__dict__["_apply"] = functools.partial(_apply, vae)
 
 
 def disable_fast_decode(target) -> None:
@@ -263,6 +282,7 @@ def disable_fast_decode(target) -> None:
     vae = wan_vae_of(target)
     vae.__dict__.pop(_STATE, None)
     vae.__dict__.pop("decode", None)
+    vae.__dict__.pop("_apply", None)
 
 
 def is_fast_decode_enabled(target) -> bool:

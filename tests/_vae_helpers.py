@@ -104,3 +104,21 @@ def winograd_out(n, ti, hi, width, ci, co, kt, strided=False):
     if strided:
         return torch.zeros(n, shape[1] + 2, *shape[2:], dtype=torch.bfloat16)[:, 2:]
     return torch.empty(shape, dtype=torch.bfloat16)
+
+
+def fastvideo_wan_vae_of(vae, **config_fields):
+    """FastVideo's own Wan VAE module with the weights of the diffusers `vae`, its config's `config_fields` set (e.g.
+    decode_kernel=True); registers the plugin, whose route sends its decode to the fast decoder."""
+    from fastvideo.configs.models.vaes import WanVAEConfig
+    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
+
+    import fastvideo_pan2_ext
+
+    fastvideo_pan2_ext.register()
+    config = WanVAEConfig()
+    config.update_model_arch({k: v for k, v in dict(vae.config).items() if not k.startswith("_")})
+    for name, value in config_fields.items():
+        setattr(config, name, value)
+    fastvideo_vae = AutoencoderKLWan(config)
+    fastvideo_vae.load_state_dict(vae.state_dict())
+    return fastvideo_vae.eval()

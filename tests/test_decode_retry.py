@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 from _ranks import outcome, run_ranks
-from _vae_helpers import random_latents
+from _vae_helpers import fastvideo_wan_vae_of, random_latents
 
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeOutOfMemoryError, DecodePlan, DecodeRestart
@@ -212,18 +212,7 @@ def test_decode_iter_after_its_first_chunk_raises_decode_restart_and_restarts(wa
 
 def _fastvideo_vae(wan22_vae, frames_per_pass):
     """FastVideo's own Wan VAE module with the narrow model's weights, the fast decoder on."""
-    from fastvideo.configs.models.vaes import WanVAEConfig
-    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
-
-    import fastvideo_pan2_ext
-
-    fastvideo_pan2_ext.register()
-    config = WanVAEConfig()
-    config.update_model_arch({k: v for k, v in dict(wan22_vae.config).items() if not k.startswith("_")})
-    config.decode_kernel, config.decode_frames_per_pass = True, frames_per_pass
-    vae = AutoencoderKLWan(config)
-    vae.load_state_dict(wan22_vae.state_dict())
-    return vae.eval()
+    return fastvideo_wan_vae_of(wan22_vae, decode_kernel=True, decode_frames_per_pass=frames_per_pass)
 
 
 def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_path, monkeypatch, caplog):

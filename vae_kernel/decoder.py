@@ -89,7 +89,9 @@ class WanVAEDecoder:
 
     `WanVAEDecoder(vae_or_state_dict, device=None, pg=None, local=False, **options)` takes diffusers' (or
     FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights. `device` defaults
-    to the module's (where its weights are), or "cuda" for a state dict. The options
+    to the module's (where its weights are), or "cuda" for a state dict. Made from a module, it follows the module's
+    weights: each decode first takes any change of them (`sync_weights`), and its prepared weights can leave the
+    device with the module (`follow_vae`); made from a state dict, it keeps the values given. The options
     (`frames_per_pass`, `tile_rows`, `max_memory`, `backend`, `conv_algorithm`) are defined in `options.OPTIONS`.
     `decode(latents)` maps de-normalized latents [B, z_dim, T, h, w] to a bf16 video [B, 3, 4T - 3, s*h, s*w] in
     [-1, 1] (s = 16 for Wan2.2, 8 for Wan2.1). With a process group of N ranks each rank decodes a band of rows and
@@ -115,7 +117,9 @@ class WanVAEDecoder:
         self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
         weights = weights_mod.checked(vae_or_state_dict)  # a bad state dict is an error before any build
         self.ops = select_ops(opts.backend, self.device, opts.conv_algorithm)
-        self.config, self.weights = weights_mod.load(weights, self.device, self.ops.cpu_compute_layout)
+        self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights, self.device,
+                                                   self.ops.cpu_compute_layout)
+        self.config = self._weights.config
         if pg is None and not local and dist.is_available() and dist.is_initialized():
             pg = dist.group.WORLD
         # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
@@ -136,6 +140,38 @@ class WanVAEDecoder:
     @property
     def backend(self) -> str:
         return self.ops.name
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The prepared weights (name -> tensor, in execution order; empty while released)."""
+        return self._weights.tensors
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # The weights follow the VAE (weights.DecoderWeights; docs/design.md, "What a weight change costs")
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def sync_weights(self) -> bool:
+        """Bring the prepared weights in step with the VAE this decoder was made from (every decode does this
+        first); True when any changed. A new architecture is taken too (the plans of the old one are dropped)."""
+        changed = self._weights.sync()
+        if self._weights.config != self.config:
+            self.config = self._weights.config
+            self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
+            self._ceilings.clear()
+            self._tried.clear()
+        return changed
+
+    def release_weights(self) -> None:
+        """Free the prepared weights (the VAE left this decoder's device); the next decode prepares them again from
+        the VAE. ValueError for a decoder made from a state dict (they are its only copy)."""
+        self._weights.release()
+
+    def follow_vae(self) -> None:
+        """Call after the VAE this decoder was made from moved (`.to()`): when its weights are no longer on this
+        decoder's device, the prepared weights leave it too (`release_weights`)."""
+        where = self._weights.module_device()
+        if where is not None and where != self.device and self.weights:
+            self.release_weights()
 
     @property
     def is_root(self) -> bool:
@@ -201,6 +237,7 @@ class WanVAEDecoder:
 
     def _input_error(self, latents) -> str | None:
         try:
+            self.sync_weights()  # the weights are input too: a VAE changed since the last decode is read again
             check_latents(latents, self.config.z_dim)
         except ValueError as exc:
             return str(exc)

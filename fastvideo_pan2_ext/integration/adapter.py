@@ -591,6 +591,23 @@ def route_wan_vae_decode(switched_on: Callable[[Any], bool], fast_decode: Callab
     _once(AutoencoderKLWan, "decode", make)
 
 
+def after_wan_vae_moves(moved: Callable[[Any], None]) -> None:
+    """FastVideo's `AutoencoderKLWan._apply` (what `.to()` runs: FastVideo's `vae_cpu_offload` moves the VAE to the
+    CPU after each decode, and back before the next) calls `moved(self)` after it. Idempotent."""
+    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
+
+    def make(original):
+        @functools.wraps(original)
+        def _apply(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            moved(self)
+            return result
+
+        return _apply
+
+    _once(AutoencoderKLWan, "_apply", make)
+
+
 def decode_group():
     """The process group of the ranks that run this request together (FastVideo's world group), or None when it
     runs on one rank."""

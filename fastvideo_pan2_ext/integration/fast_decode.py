@@ -92,7 +92,9 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module
 
 def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
-    group (its weights are prepared from the module's own)."""
+    group. Its weights are prepared from the module's own and follow them: every decode first takes any change of
+    the module's weights (`WanVAEDecoder.sync_weights`), and they leave the device when the module does
+    (`vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
     group = None if opts.tiled else adapter.decode_group()  # exact tiles are a single-rank decode
     key = (str(device), opts, id(group))
@@ -104,6 +106,14 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
                     "one rank" if group is None else "rows split over the ranks", device)
         cached = _decoders[vae] = (key, decoder)
     return cached[1]
+
+
+def vae_moved(vae) -> None:
+    """After FastVideo's Wan VAE `vae` moved (`.to()`; `adapter.after_wan_vae_moves`): its fast decoder's prepared
+    weights leave a device the VAE left (FastVideo's `vae_cpu_offload`), to be prepared again at its next decode."""
+    cached = _decoders.get(vae)
+    if cached is not None:
+        cached[1].follow_vae()
 
 
 def _log_plan(decoder: WanVAEDecoder, z: torch.Tensor) -> None:

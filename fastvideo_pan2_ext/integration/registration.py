@@ -46,6 +46,7 @@ def register() -> None:
     adapter.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")
     adapter.add_config_fields(fast_decode.CONFIG_FIELDS)
     adapter.route_wan_vae_decode(lambda vae_config: fast_decode.options(vae_config) is not None, fast_decode.decode)
+    adapter.after_wan_vae_moves(fast_decode.vae_moved)
     adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
     cli.install()
     streamed_save.install()

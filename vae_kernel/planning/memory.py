@@ -173,10 +173,11 @@ def format_bytes(n: int) -> str:
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages created while active that are still alive; `peak` is their maximum, sampled
-    after every op (tensors that existed before entering are not counted)."""
+    after every op (tensors that existed before entering are not counted). `device`: count only the storages there."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
+        self.device = device
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
 
@@ -185,7 +186,8 @@ class LiveBytes(TorchDispatchMode):
         # A view (or in-place result) shares an argument's storage: one not yet counted existed before (a weight).
         inputs = {t.untyped_storage()._cdata for t in _tensors([*args, *(kwargs or {}).values()])}
         new = [t.untyped_storage() for t in _tensors(out)
-               if t.untyped_storage()._cdata not in self.live and t.untyped_storage()._cdata not in inputs]
+               if t.untyped_storage()._cdata not in self.live and t.untyped_storage()._cdata not in inputs
+               and (self.device is None or t.device == self.device)]
         if new:  # frees only matter for the peak at the next allocation
             self._sweep()
             for storage in new:
@@ -194,6 +196,11 @@ class LiveBytes(TorchDispatchMode):
                     self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
         return out
+
+    def bytes_alive(self) -> int:
+        """The counted storages' bytes alive now, frees since the last op included."""
+        self._sweep()
+        return self.current
 
     def _sweep(self) -> None:
         for key, (ref, nbytes) in list(self.live.items()):
@@ -268,15 +275,13 @@ class MemoryPlanner:
 
     def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device) -> None:
         self.config, self.device = config, device
-        self._weights = weights
-        self._meta_weights = None
+        # Read once from the weights as prepared: a decode holds these bytes whether or not the weights are on the
+        # device between decodes (they are prepared again, the same shapes, before one: `weights.DecoderWeights`).
+        self._meta_weights = {k: v.to("meta") for k, v in weights.items()}
+        # The weights' bytes; a prepacked one (`ops.prepack`) is held twice: as prepared and in oneDNN's blocking.
+        self.weight_bytes = sum(w.numel() * w.element_size() * (2 if ops.prepacked(w) else 1) for w in weights.values())
         self._peaks: dict[tuple, int] = {}
         self._plans: dict[tuple, int | None] = {}
-
-    @property
-    def weight_bytes(self) -> int:
-        """The weights' bytes; a prepacked one (`ops.prepack`) is held twice: as prepared and in oneDNN's blocking."""
-        return sum(w.numel() * w.element_size() * (2 if ops.prepacked(w) else 1) for w in self._weights.values())
 
     def peak_bytes(self, latents_shape, frames_per_pass: int, tile_rows: int | None = None,
                    stream: bool = False) -> int:
@@ -292,8 +297,6 @@ class MemoryPlanner:
 
     def _replay(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool) -> int:
         _, _, t, height, width = latents_shape
-        if self._meta_weights is None:
-            self._meta_weights = {k: v.to("meta") for k, v in self._weights.items()}
         dry, p, s = dry_ops(self.device), self.config.patch_size, self.config.spatial_scale
         # The first frame, a pass whose causal history is that one frame, then one with the full history (two frames
         # at every conv): later passes repeat the third.

@@ -125,8 +125,10 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
 
 
 # A prepared CPU conv weight -> (its version, oneDNN's blocked copy of it: `prepack`), so that its conv does not reorder
-# the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does, and serves only
-# while the weight is not changed in place.
+# the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does. What keeps it
+# sound is that a prepared weight is never written after it is made (a changed VAE weight is prepared into a new
+# tensor: `weights.DecoderWeights`); the version only catches an in-place op on the weight itself, not a write through
+# `.data` (which bypasses the counter), nor anything on an inference tensor (which has none).
 _PACKED = WeakTensorKeyDictionary()
 # torch's private oneDNN ops behind the prepacked convs carry no API promise: the first of them missing or refusing its
 # arguments turns them off for the process, with one warning, and the convs run from the prepared weights through
@@ -172,9 +174,10 @@ def prepack(w: torch.Tensor) -> None:
     """On a CPU computing in bf16, keep oneDNN's blocked copy of a prepared conv weight (conv3d's or the upsample's:
     `weights.load` calls this) for the convs to use instead of reordering it on every call (oneDNN's own log of a
     real-width decode: 78 reorders before, 11 after, the same video bit for bit; docs/benchmarks.md). The blocking
-    is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. A weight
-    changed in place afterwards is used as it is (its stale copy is not); so an inference tensor, which has no
-    version counter to tell, is not prepacked."""
+    is chosen for a nominal input; where a call's primitive wants another, oneDNN reorders as before. `w` must not be
+    written afterwards (the decoder's prepared weights never are): the copy serves it as long as it lives (an in-place
+    op on `w` itself drops it; a write through `w.data` cannot be seen). An inference tensor, which has no version
+    counter, is not prepacked."""
     view = _subpixel_weight(w) if w.dim() == 6 else _conv3d_weight(w)
     if (w.device.type != "cpu" or not torch.backends.mkldnn.is_available()
             or view.dtype != torch.bfloat16 or compute_dtype(w.device) != torch.bfloat16 or w.is_inference()):

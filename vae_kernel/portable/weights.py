@@ -23,6 +23,9 @@ prepacks each conv's weight for oneDNN (`ops.prepack`).
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 
 from ..definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
@@ -48,16 +51,17 @@ def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """One state-dict tensor in the layout the ops take (see the module table)."""
+    """One state-dict tensor in the layout the ops take (see the module table): always a new tensor, never `tensor`
+    or a view of it (a weight the VAE's owner edits later must not change under the decoder: `DecoderWeights`)."""
     if name.endswith(".gamma"):
         return (tensor.float().flatten() * tensor.shape[0] ** 0.5).contiguous()
     if name.endswith(".bias"):
-        return tensor.float().contiguous()
+        return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if name.endswith(".resample.1.weight"):  # an upsampler's 3x3 conv (Wan2.2 `upsampler.`, Wan2.1 `upsamplers.0.`)
         return subpixel_weights(tensor)
     w = tensor if tensor.dim() == 5 else tensor.reshape(*tensor.shape[:2], 1, 1, 1)
-    w = w.permute(0, 2, 3, 4, 1).contiguous()
-    return w.float() if name == "post_quant_conv.weight" else w.to(torch.bfloat16)
+    dtype = torch.float32 if name == "post_quant_conv.weight" else torch.bfloat16
+    return w.permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 CPU_CHANNELS_FIRST_MIN = 512
@@ -75,29 +79,83 @@ def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
 
 
 def state_dict_of(vae_or_state_dict) -> dict[str, torch.Tensor]:
-    """A state dict from diffusers' `AutoencoderKLWan` (any module with `state_dict()`) or a dict as is."""
+    """A state dict from diffusers' `AutoencoderKLWan` (any module with `state_dict()`: `module_state_dict`) or a
+    dict as is."""
     if isinstance(vae_or_state_dict, dict):
         return vae_or_state_dict
+    if isinstance(vae_or_state_dict, torch.nn.Module):
+        return module_state_dict(vae_or_state_dict)
     if callable(getattr(vae_or_state_dict, "state_dict", None)):
         return vae_or_state_dict.state_dict()
     raise ValueError("expected an AutoencoderKLWan (or any module with state_dict()) or a state dict; "
                      f"got {type(vae_or_state_dict).__name__}")
 
 
+_DECODER_PREFIXES = ("decoder.", "post_quant_conv")  # the submodules whose weights the decoder reads
+
+
+def module_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights `module` decodes with, under their plain names: a layer wrapped by PEFT's LoRA
+    (`x.base_layer`, `x.lora_A`, ...) reads as its base layer, whose weights hold the adapters once they are merged
+    (PEFT's `merge`, diffusers' `fuse_lora`); a decoder layer whose adapters are active but not merged is a
+    ValueError (its weights are not what it computes with)."""
+    for name, layer in module.named_modules():
+        if hasattr(layer, "base_layer") and hasattr(layer, "merged") and name.startswith(_DECODER_PREFIXES):
+            if bool(layer.merged) == bool(getattr(layer, "disable_adapters", False)):
+                state = "merged but disabled" if layer.merged else "active but not merged"
+                raise ValueError(f"{name} has LoRA adapters that are {state} (PEFT): the fast decoder reads a layer's "
+                                 "weights, so merge its active adapters into them (merge_adapter(), fuse_lora()) or "
+                                 "unload them")
+    return {key.replace(".base_layer.", "."): tensor for key, tensor in module.state_dict().items()
+            if not any(part.startswith("lora_") for part in key.split("."))}
+
+
 def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
     """The config and the decoder's tensors of `sd`, in execution order: every tensor present, with its shape
     (`infer_config` names any missing or misshapen one), finite."""
-    config = infer_config(sd)
-    tensors = {name: sd[name].detach() for name in weight_names(config)}
+    config, tensors = _named(sd)
     for name, tensor in tensors.items():
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"state_dict[{name!r}] has non-finite values")
+        _check_values(name, tensor)
     return config, tensors
+
+
+def _named(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    config = infer_config(sd)
+    return config, {name: sd[name].detach() for name in weight_names(config)}
+
+
+def _check_values(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta":
+        raise ValueError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module offloaded "
+                         "layer by layer, e.g. by accelerate's sequential CPU offload)")
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"state_dict[{name!r}] has non-finite values")
 
 
 def checked(vae_or_state_dict) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
     """The architecture and the decoder's weights, validated (ValueError naming the first problem)."""
     return _checked(state_dict_of(vae_or_state_dict))
+
+
+def _prepared_on(name: str, tensor: torch.Tensor, device: torch.device, cpu_compute_layout: bool) -> torch.Tensor:
+    """`prepare` on `device`, and on a CPU in its compute layout (`to_compute_layout`) unless the op table takes the
+    weights as prepared. Call inside `own_arithmetic(device)`."""
+    prepared = prepare(name, tensor.to(device))
+    return to_compute_layout(prepared) if device.type == "cpu" and cpu_compute_layout else prepared
+
+
+def _prepack(name: str, prepared: torch.Tensor, device: torch.device, cpu_compute_layout: bool) -> None:
+    if device.type == "cpu" and cpu_compute_layout and prepared.dim() >= 5 and name != "post_quant_conv.weight":
+        ops.prepack(prepared)  # the convs the ops run
+
+
+@contextlib.contextmanager
+def _preparing(device: torch.device):
+    """Where prepared tensors are made. They outlive the call, and the ops' caches of them (prepack, Winograd
+    transforms, the compiled upsample's bias) follow their version counters, which tensors made under
+    torch.inference_mode lack: they are made outside it, whatever mode the decoder is built or called in."""
+    with torch.inference_mode(False), torch.no_grad(), own_arithmetic(device):
+        yield
 
 
 def load(vae_or_state_dict, device: torch.device,
@@ -106,27 +164,82 @@ def load(vae_or_state_dict, device: torch.device,
     layout, `to_compute_layout`, and the convs' weights prepacked, `ops.prepack`, unless the op table takes them as
     prepared: `Ops.cpu_compute_layout`)."""
     config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else checked(vae_or_state_dict)
-    # The prepared tensors outlive this call, and the ops' caches of them (prepack, Winograd transforms, the compiled
-    # upsample's bias) follow their version counters, which tensors made under torch.inference_mode lack: they are
-    # made outside it, whatever mode the decoder is built in.
-    with torch.inference_mode(False), torch.no_grad(), own_arithmetic(device):
-        prepared = {name: _outside_inference_mode(prepare(name, t.to(device))) for name, t in tensors.items()}
-        if device.type == "cpu" and cpu_compute_layout:
-            prepared = {name: to_compute_layout(t) for name, t in prepared.items()}
-            for name, t in prepared.items():
-                if t.dim() >= 5 and name != "post_quant_conv.weight":  # the convs the ops run
-                    ops.prepack(t)
+    with _preparing(device):
+        prepared = {name: _prepared_on(name, t, device, cpu_compute_layout) for name, t in tensors.items()}
+        for name, t in prepared.items():
+            _prepack(name, t, device, cpu_compute_layout)
         return config, prepared
 
 
-def _outside_inference_mode(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it where it is an inference tensor (a prepared tensor that is the VAE's own, loaded under
-    torch.inference_mode)."""
-    return t.clone() if t.is_inference() else t
+class DecoderWeights:
+    """The decoder's prepared weights (`tensors`: name -> prepared tensor, in execution order) and where they come
+    from (docs/design.md, "What a weight change costs").
+
+    Made from a module (diffusers' or FastVideo's `AutoencoderKLWan`, held by a weak reference), they follow it:
+    `sync` prepares each of the module's current weights again and compares it with the one held, so every change
+    is seen, whatever made it: `load_state_dict`, `.to()`, a swapped submodule, an in-place op, a write through
+    `.data` (which no version counter records), PEFT's merge and unmerge of LoRA adapters, a new architecture. Its
+    cost is preparing the weights once more per check. `release` drops them from the device (the module left it);
+    the next `sync` prepares them again. Made from a state dict, they are its values as given: later edits of the
+    dict's tensors are not seen (the prepared tensors are copies, never views of them).
+
+    A prepared tensor is never written after it is made: a changed weight gets a new tensor, so what is derived
+    from the old one (`ops.prepack`'s blocked copy, a Winograd transform) never serves the new values.
+    """
+
+    def __init__(self, vae_or_state_dict, checked_weights: tuple[WanVAEConfig, dict[str, torch.Tensor]],
+                 device: torch.device, cpu_compute_layout: bool) -> None:
+        module = None if isinstance(vae_or_state_dict, dict) else vae_or_state_dict
+        self._module = None if module is None else weakref.ref(module)
+        self.device, self._cpu_compute_layout = device, cpu_compute_layout
+        self.config, self.tensors = load(checked_weights, device, cpu_compute_layout)
+
+    @property
+    def follows_module(self) -> bool:
+        return self._module is not None
+
+    def module_device(self) -> torch.device | None:
+        """Where the module's weights are now (None: made from a state dict, or the module no longer exists)."""
+        module = self._module() if self._module is not None else None
+        return None if module is None else state_dict_of(module)["post_quant_conv.weight"].device
+
+    def release(self) -> None:
+        """Drop the prepared weights (the next `sync` prepares them again from the module)."""
+        if not self.follows_module:
+            raise ValueError("this decoder was made from a state dict: its prepared weights are the only copy it has, "
+                             "so they cannot be released")
+        self.tensors.clear()
+
+    def sync(self) -> bool:
+        """Bring the prepared weights in step with the module's current ones (ValueError naming a weight the decoder
+        cannot take, as at construction); True when any changed. A module that no longer exists changes nothing."""
+        module = self._module() if self._module is not None else None
+        if module is None:
+            if not self.tensors:
+                raise ValueError("the decoder's weights were released and the module they came from no longer exists")
+            return False
+        config, sources = _named(state_dict_of(module))
+        if config != self.config:
+            self.config = config
+            self.tensors.clear()
+        changed = False
+        with _preparing(self.device):
+            for name, source in sources.items():
+                if source.device.type == "meta":
+                    _check_values(name, source)  # raises: nothing to prepare from
+                fresh = _prepared_on(name, source, self.device, self._cpu_compute_layout)
+                held = self.tensors.get(name)
+                if held is not None and torch.equal(fresh, held):
+                    continue
+                _check_values(name, source)
+                _prepack(name, fresh, self.device, self._cpu_compute_layout)
+                self.tensors[name] = fresh  # a new tensor (the old one, and what was derived from it, die with it)
+                changed = True  # (a replaced name keeps its place; after a clear they come back in execution order)
+        return changed
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:
     """The prepared tensors, in `weight_names(infer_config(state_dict))` order, on the state dict's device."""
     _, tensors = _checked(state_dict_of(state_dict))
-    with own_arithmetic(next(iter(tensors.values())).device):
+    with _preparing(next(iter(tensors.values())).device):
         return [prepare(name, t) for name, t in tensors.items()]
