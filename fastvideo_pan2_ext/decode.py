@@ -29,6 +29,7 @@ moment, end the command with one line and 130 / 143, leaving no partial file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import signal
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 from fastvideo_pan2_ext.names import DECODE_COMMAND as PROG
@@ -177,10 +179,30 @@ def _hub_vae(hub_id: str, revision: str | None, dtype: torch.dtype):
                                  f"({str(exc).splitlines()[0]})") from None
 
 
+@contextlib.contextmanager
+def _quietly():
+    """Without diffusers' and huggingface_hub's own log lines and warnings (a failed load logs several before it
+    raises): what goes wrong is the command's one line."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
 def load_vae(path, dtype: torch.dtype = torch.float32, revision: str | None = None):
     """diffusers' `AutoencoderKLWan` in `dtype` from a VAE folder, a model folder with vae/, one original-format file,
     or a hub id ("org/name", at `revision`)."""
-    source, path = str(path), Path(path)
+    with _quietly():
+        return _load_vae(str(path), Path(path), dtype, revision)
+
+
+def _load_vae(source: str, path: Path, dtype: torch.dtype, revision: str | None):
     if path.is_dir():
         folder = next((p for p in (path, path / "vae") if (p / "config.json").is_file()), None)
         if folder is None:
@@ -194,6 +216,9 @@ def load_vae(path, dtype: torch.dtype = torch.float32, revision: str | None = No
             found = f"a {class_name}'s" if class_name else "not a diffusers model config (no _class_name)"
             raise DecodeCommandError(f"--vae {path}: {folder / 'config.json'} is {found}, not a Wan VAE's "
                                      "(_class_name AutoencoderKLWan): give the Wan VAE's folder or its model folder")
+        if not any(folder.glob("diffusion_pytorch_model*")):
+            raise DecodeCommandError(f"--vae {path}: {folder} has a config.json but no weights "
+                                     "(diffusion_pytorch_model.safetensors): is the download complete?")
         from diffusers import AutoencoderKLWan
 
         try:

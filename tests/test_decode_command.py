@@ -286,6 +286,28 @@ def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]  # nothing made, not even a probe
 
 
+@pytest.mark.parametrize("weights, says", [
+    (None, "has a config.json but no weights (diffusion_pytorch_model.safetensors): is the download complete?"),
+    (b"not safetensors", "cannot load it: Unable to load weights from checkpoint file"),
+])
+def test_a_broken_vae_folder_is_one_line_without_diffusers_own_log(checkpoints, tmp_path, weights, says):
+    """diffusers logs its own lines (and huggingface_hub warns) before it raises on a folder without usable weights:
+    the command's line is all the user sees."""
+    torch.save(torch.randn(1, 48, 2, 4, 6), tmp_path / "z.pt")
+    folder = tmp_path / "vae"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((checkpoints["wan2.2-ti2v"] / "vae" / "config.json").read_bytes())
+    if weights is not None:
+        (folder / "diffusion_pytorch_model.safetensors").write_bytes(weights)
+    proc = run([sys.executable, "-m", "fastvideo_pan2_ext.decode", str(tmp_path / "z.pt"), "--vae", str(folder)],
+               env_extra=OFFLINE, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{decode.PROG}: error: --vae {folder}: ") and says in lines[0], \
+        proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vae", "z.pt"]
+
+
 def test_help_speaks_to_users_and_lists_the_exit_codes(capsys):
     code, out, _ = _main(["--help"], capsys)
     assert code == 0
