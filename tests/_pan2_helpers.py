@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -182,3 +183,54 @@ def forward_batch(args, model_path, **overrides):
     for key, value in overrides.items():
         setattr(sp, key, value)
     return ForwardBatch(**shallow_asdict(sp), eta=0.0, n_tokens=None, VSA_sparsity=args.VSA_sparsity)
+
+
+# PAN2_TEST_DECODE=record:PATH: every decode_iter passes its chunks through and, when done, saves {latents it got, the
+# video it yielded} to PATH. =record-then-fail:PATH: the same, then raises. =disk-full: the mp4 writer raises ENOSPC at
+# its second frame.
+DECODE_HOOK = textwrap.dedent("""
+    import os
+
+    _mode, _, _path = os.environ.get("PAN2_TEST_DECODE", "").partition(":")
+    if _mode in ("record", "record-then-fail"):
+        import torch
+        from fastvideo_pan2_ext.vae_kernel import decoder as _decoder
+
+        _original = _decoder.WanVAEDecoder.decode_iter
+
+        def decode_iter(self, latents):
+            chunks = _original(self, latents)  # plans at the call, as the caller expects
+
+            def recording():
+                video = []
+                for item in chunks:
+                    video.append(item[2])
+                    yield item
+                torch.save({"latents": latents.cpu(), "video": torch.cat(video, 2)}, _path)
+                if _mode == "record-then-fail":
+                    raise RuntimeError("injected decode failure")
+            return recording()
+
+        _decoder.WanVAEDecoder.decode_iter = decode_iter
+    if _mode == "disk-full":  # the mp4 writer's disk fills up after the first frame
+        import errno
+        from fastvideo_pan2_ext import video_io
+
+        _append = video_io._Mp4.append
+
+        def append(self, frame, images):
+            if self.frames:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            _append(self, frame, images[:1])
+
+        video_io._Mp4.append = append
+""")
+
+
+def decode_hook_env(tmp_path: Path, mode: str) -> dict[str, str]:
+    """The environment (offline) under which every process of a run has `DECODE_HOOK` in `mode`: a `sitecustomize`
+    in tmp_path/hook, on PYTHONPATH before the repository."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(DECODE_HOOK)
+    return {**OFFLINE, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "PAN2_TEST_DECODE": mode}

@@ -12,64 +12,14 @@ import os
 import shlex
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from _pan2_helpers import E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, REPO, exif_rotated_jpeg, run, \
+from _pan2_helpers import E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, decode_hook_env, exif_rotated_jpeg, run, \
     video_frames_and_size
 
 pytestmark = pytest.mark.slow  # FastVideo end to end, in worker processes
-
-# PAN2_TEST_DECODE=record:PATH: every decode_iter passes its chunks through and, when done, saves {latents it got, the
-# video it yielded} to PATH. =record-then-fail:PATH: the same, then raises. =disk-full: the mp4 writer raises ENOSPC at
-# its second frame.
-SITECUSTOMIZE = textwrap.dedent("""
-    import os
-
-    _mode, _, _path = os.environ.get("PAN2_TEST_DECODE", "").partition(":")
-    if _mode in ("record", "record-then-fail"):
-        import torch
-        from fastvideo_pan2_ext.vae_kernel import decoder as _decoder
-
-        _original = _decoder.WanVAEDecoder.decode_iter
-
-        def decode_iter(self, latents):
-            chunks = _original(self, latents)  # plans at the call, as the caller expects
-
-            def recording():
-                video = []
-                for item in chunks:
-                    video.append(item[2])
-                    yield item
-                torch.save({"latents": latents.cpu(), "video": torch.cat(video, 2)}, _path)
-                if _mode == "record-then-fail":
-                    raise RuntimeError("injected decode failure")
-            return recording()
-
-        _decoder.WanVAEDecoder.decode_iter = decode_iter
-    if _mode == "disk-full":  # the mp4 writer's disk fills up after the first frame
-        import errno
-        from fastvideo_pan2_ext import video_io
-
-        _append = video_io._Mp4.append
-
-        def append(self, frame, images):
-            if self.frames:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            _append(self, frame, images[:1])
-
-        video_io._Mp4.append = append
-""")
-
-
-def _env(tmp_path: Path, mode: str) -> dict[str, str]:
-    hook = tmp_path / "hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {**OFFLINE, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "PAN2_TEST_DECODE": mode}
-
 
 def _generate(tiny_ckpt, image: Path, video: Path, env: dict[str, str]):
     return run([FASTVIDEO_CLI, "generate", "--pipeline", "pan2", "--generator.model_path", str(tiny_ckpt),
@@ -112,7 +62,7 @@ def test_a_failed_decode_keeps_latents_that_the_printed_command_makes_into_the_s
     image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
     out = tmp_path / "failed"
     job = tmp_path / "job.pt"  # the latents the job's decoder got and the video it made, before it failed
-    failed = _generate(tiny_ckpt, image, out / "v.mp4", _env(tmp_path, f"record-then-fail:{job}"))
+    failed = _generate(tiny_ckpt, image, out / "v.mp4", decode_hook_env(tmp_path, f"record-then-fail:{job}"))
     log = failed.stdout + failed.stderr
     kept_path = out / "v.latents.safetensors"
     assert failed.returncode == 1, log[-4000:]
@@ -131,8 +81,8 @@ def test_a_failed_decode_keeps_latents_that_the_printed_command_makes_into_the_s
 
     # The command as printed, pasted into a shell elsewhere: the same video, bit for bit.
     decoded = tmp_path / "decoded.pt"
-    proc = subprocess.run(command, shell=True, cwd=tmp_path, env={**os.environ, **_env(tmp_path, f"record:{decoded}")},
-                          capture_output=True, text=True, timeout=600)
+    env = {**os.environ, **decode_hook_env(tmp_path, f"record:{decoded}")}
+    proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert f"wrote {E2E_FRAMES} frames to {out / 'v.mp4'}" in proc.stdout
     assert video_frames_and_size(out / "v.mp4") == (E2E_FRAMES, (E2E_WIDTH, E2E_HEIGHT))
@@ -153,7 +103,7 @@ def test_a_full_disk_at_the_streamed_save_keeps_the_latents(tiny_ckpt, tmp_path)
 
     image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
     out = tmp_path / "full"
-    failed = _generate(tiny_ckpt, image, out / "v.mp4", _env(tmp_path, "disk-full"))
+    failed = _generate(tiny_ckpt, image, out / "v.mp4", decode_hook_env(tmp_path, "disk-full"))
     log = failed.stdout + failed.stderr
     kept_path = out / "v.latents.safetensors"
     assert failed.returncode == 1 and "Traceback" not in log, log[-4000:]

@@ -6,51 +6,23 @@ decode would have made.
 The hub is a local Hugging Face cache laid out as huggingface_hub lays it out (`models--org--name/refs/main`,
 `snapshots/<commit>/...`) holding the tiny PAN2 checkpoint, read offline. The failure is injected from the test: in
 this process by wrapping `WanVAEDecoder.decode` (it decodes, records the video, then raises); the command's video is
-recorded by a `sitecustomize` on its PYTHONPATH.
+recorded by a `sitecustomize` on its PYTHONPATH (`_pan2_helpers.DECODE_HOOK`).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import shlex
 import shutil
 import subprocess
-import textwrap
 
 import pytest
 import torch
-from _pan2_helpers import OFFLINE, REPO, forward_batch
+from _pan2_helpers import decode_hook_env, forward_batch
 
 HUB_ID = "pan2-org/pan2-tiny"
 COMMIT = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"  # a hub commit id: 40 hex digits
 LATENTS = torch.randn(1, 48, 3, 3, 5, generator=torch.Generator().manual_seed(17))  # 9 frames of 48 x 80
-
-# PAN2_TEST_RECORD=PATH: every WanVAEDecoder.decode_iter of the process saves the video it yielded to PATH.
-SITECUSTOMIZE = textwrap.dedent("""
-    import os
-
-    _path = os.environ.get("PAN2_TEST_RECORD")
-    if _path:
-        import torch
-        from fastvideo_pan2_ext.vae_kernel import decoder as _decoder
-
-        _original = _decoder.WanVAEDecoder.decode_iter
-
-        def decode_iter(self, latents):
-            chunks = _original(self, latents)  # plans at the call, as the caller expects
-
-            def recording():
-                video = []
-                for item in chunks:
-                    video.append(item[2])
-                    yield item
-                torch.save(torch.cat(video, 2), _path)
-            return recording()
-
-        _decoder.WanVAEDecoder.decode_iter = decode_iter
-""")
-
 
 def _hub_cache(root, checkpoint):
     """A Hugging Face cache holding `checkpoint` as HUB_ID at COMMIT, its main branch pointing there."""
@@ -106,16 +78,13 @@ def test_a_hub_checkpoint_with_a_bf16_vae_is_decoded_again_bit_for_bit(pan2, tin
     _, _, command = line.partition("; make the video with: ")
     assert command == latents_file.decode_command(kept_path), line
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     recorded = tmp_path / "command-video.pt"
-    env = {**os.environ, **OFFLINE, "HF_HUB_CACHE": str(cache), "PAN2_TEST_RECORD": str(recorded),
-           "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
-    proc = subprocess.run(command, shell=True, cwd=hook, env=env, capture_output=True, text=True, timeout=600)  # pasted
+    env = {**os.environ, **decode_hook_env(tmp_path, f"record:{recorded}"), "HF_HUB_CACHE": str(cache)}
+    proc = subprocess.run(command, shell=True, cwd=tmp_path / "hook", env=env, capture_output=True, text=True,
+                          timeout=600)  # pasted
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert f"wrote 9 frames to {tmp_path / 'clip.mp4'}" in proc.stdout
-    assert torch.equal(torch.load(recorded), job_video[0])
+    assert torch.equal(torch.load(recorded)["video"], job_video[0])
     kept = latents_file.read(kept_path)  # what made it so
     assert (kept.vae, kept.vae_revision, kept.vae_dtype) == (HUB_ID, COMMIT, "bfloat16")
 

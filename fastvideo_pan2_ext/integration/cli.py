@@ -23,6 +23,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
@@ -83,8 +84,12 @@ def _pan2_run_config(args):
 PIPELINES: dict[str, Callable] = {"pan2": _pan2_run_config}
 
 
-def _fail(message: str) -> None:
-    print(f"fastvideo generate: error: {message}", file=sys.stderr)
+def fail(command: str, error: str | BaseException) -> NoReturn:
+    """`fastvideo <command>: error: <the message, or the error's first line>` and exit code 2, before any model
+    loads (argparse's convention for a bad invocation)."""
+    if isinstance(error, BaseException):
+        error = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"fastvideo {command}: error: {error}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -100,11 +105,11 @@ def _validate(args, fastvideo_validate) -> None:
     if name is None:
         return fastvideo_validate(args)
     if name not in PIPELINES:
-        _fail(f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
+        fail("generate", f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
     try:
         adapter.hand_run_config_to_generate(args, PIPELINES[name](args))
     except (ValueError, OSError) as exc:
-        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        fail("generate", exc)
 
 
 _ENDINGS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated",

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -233,11 +232,6 @@ class PAN2Server:
 # ----------------------------------------------------------------------------------------------- the command
 
 
-def _fail(message: str) -> None:
-    print(f"fastvideo serve: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def _add_arguments(parser) -> None:
     parser.add_argument("--pipeline", type=str, default=None, metavar="NAME",
                         help=f"Plugin pipeline to serve ({PIPELINE_NAME}); or `pipeline: {PIPELINE_NAME}` in the "
@@ -264,10 +258,10 @@ def _validate(args, fastvideo_validate) -> None:
         if name is None:
             return fastvideo_validate(args)
         if name != PIPELINE_NAME:
-            _fail(f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
+            cli.fail("serve", f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
         config, rules = _pan2_serve_config(raw)
     except (ValueError, OSError) as exc:
-        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        cli.fail("serve", exc)
     adapter.hand_serve_config_to_serve(args, config)
     setattr(args, _SERVING, rules)
 
