@@ -234,7 +234,7 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
         "num_frames not 4k + 1": ([*good, "--request.sampling.num_frames", "10"],
                                   r"num_frames must be 4k \+ 1 .*; got 10: ask for 9 or 13"),
         "output folder under a file": ([*good, "--request.output.output_path", str(a_file / "out" / "v.mp4")],
-                                       r"cannot write the video to .*a-file/out: Not a directory"),
+                                       r"cannot write the video to .*a-file/out: .*a-file is a file, not a folder"),
         "output folder on a read-only file system": ([*good, "--request.output.output_path", "/proc/pan2/v.mp4"],
                                                      r"cannot write the video to /proc/pan2: "),
         "truncated image": ([*good[:-1], str(truncated_png(tmp_path / "cut.png"))], r"cannot read image '.*cut"),
