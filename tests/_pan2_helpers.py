@@ -5,6 +5,7 @@ Nothing here imports FastVideo or torch at module level.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -234,3 +235,16 @@ def decode_hook_env(tmp_path: Path, mode: str) -> dict[str, str]:
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(DECODE_HOOK)
     return {**OFFLINE, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "PAN2_TEST_DECODE": mode}
+
+
+@contextlib.contextmanager
+def pan2_fast_decode(config, frames_per_pass: int = 2):
+    """PAN2's fast decoder on (`config`: the pipeline's PAN2PipelineConfig) at `frames_per_pass` inside the block; its
+    switches as they were after it."""
+    saved = config.vae_decode_kernel, config.vae_decode_frames_per_pass
+    config.vae_decode_kernel, config.vae_decode_frames_per_pass = True, frames_per_pass
+    try:
+        yield
+    finally:
+        config.vae_decode_kernel, config.vae_decode_frames_per_pass = saved
+        config.check_vae_options()

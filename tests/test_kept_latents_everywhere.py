@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from _pan2_helpers import E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, OFFLINE, REPO, exif_rotated_jpeg, forward_batch, \
-    last_json_line, run, video_frames_and_size
+    last_json_line, pan2_fast_decode, run, video_frames_and_size
 
 LATENTS = torch.randn(1, 48, 3, 3, 5, generator=torch.Generator().manual_seed(11))  # 9 frames of 48 x 80
 
@@ -48,10 +48,7 @@ def test_a_failed_decode_that_fastvideo_would_save_keeps_the_latents(pan2, tiny_
     monkeypatch.setattr(decoder_module.WanVAEDecoder, "decode", failing_decode)
     pipeline, args = pan2
     stage = pipeline._stage_name_mapping["decoding_stage"]
-    config = args.pipeline_config
-    saved = config.vae_decode_kernel, config.vae_decode_frames_per_pass
-    config.vae_decode_kernel, config.vae_decode_frames_per_pass = True, 2
-    try:
+    with pan2_fast_decode(args.pipeline_config):
         plain = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
         plain.latents = LATENTS.clone()
         with pytest.raises(RuntimeError, match="injected decode failure"):
@@ -62,9 +59,6 @@ def test_a_failed_decode_that_fastvideo_would_save_keeps_the_latents(pan2, tiny_
         batch.latents = LATENTS.clone()
         batch.extra[decode_failure.REQUEST_KEY] = decode_failure.KeepLatentsRequest.beside(target, 24)
         batch = stage(batch, args)
-    finally:
-        config.vae_decode_kernel, config.vae_decode_frames_per_pass = saved
-        config.check_vae_options()
 
     kept_path = tmp_path / "clip.latents.safetensors"
     assert sorted(p.name for p in tmp_path.iterdir()) == [kept_path.name]

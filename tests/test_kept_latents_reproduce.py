@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 import torch
-from _pan2_helpers import decode_hook_env, forward_batch
+from _pan2_helpers import decode_hook_env, forward_batch, pan2_fast_decode
 
 HUB_ID = "pan2-org/pan2-tiny"
 COMMIT = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"  # a hub commit id: 40 hex digits
@@ -56,17 +56,11 @@ def test_a_hub_checkpoint_with_a_bf16_vae_is_decoded_again_bit_for_bit(pan2, tin
     bf16_vae = copy.deepcopy(stage.vae, memo={id(stage.vae.config): stage.vae.config}).to(torch.bfloat16)
     monkeypatch.setattr(stage, "vae", bf16_vae)
     monkeypatch.setattr(args, "model_path", HUB_ID)  # as FastVideo keeps a hub id (it loads the snapshot's files)
-    config = args.pipeline_config
-    saved = config.vae_decode_kernel, config.vae_decode_frames_per_pass
-    config.vae_decode_kernel, config.vae_decode_frames_per_pass = True, 2
-    try:
+    with pan2_fast_decode(args.pipeline_config):
         batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
         batch.latents = LATENTS.clone()
         batch.extra[decode_failure.REQUEST_KEY] = decode_failure.KeepLatentsRequest.beside(tmp_path / "clip.mp4", 24)
         batch = stage(batch, args)
-    finally:
-        config.vae_decode_kernel, config.vae_decode_frames_per_pass = saved
-        config.check_vae_options()
 
     kept_path = tmp_path / "clip.latents.safetensors"
     assert batch.extra[decode_failure.FAILURE_KEY].latents == str(kept_path), batch.extra[decode_failure.FAILURE_KEY]
