@@ -115,9 +115,13 @@ class _Mp4:
             self.frames += 1
 
     def close(self, complete: bool) -> None:
-        """Finish the file and move it into place, or (not complete) remove it."""
+        """Finish the file and move it into place, or (not complete, or its finishing failed: an interrupt or a full
+        disk while ffmpeg writes the file's tail) remove it."""
         try:
             self.writer.close()
+        except BaseException:
+            complete = False
+            raise
         finally:
             if complete:
                 os.replace(self.partial, self.path)

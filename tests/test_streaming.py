@@ -82,6 +82,26 @@ def test_a_stream_cut_off_midway_leaves_nothing_at_the_target(plain, tmp_path, w
     assert [p.name for p in tmp_path.iterdir()] == ["cut.mp4"] and not partial_path(target).exists()
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+def test_a_video_whose_finishing_fails_is_not_moved_into_place(plain, tmp_path, monkeypatch, error):
+    """An interrupt or a full disk while ffmpeg writes the file's tail (imageio's writer's close): the file may be cut
+    short, so it is removed, not renamed to the target."""
+    from imageio.plugins.ffmpeg import FfmpegFormat
+
+    z, decoder, _ = plain
+    finish = FfmpegFormat.Writer.close
+
+    def failing_close(self):
+        finish(self)  # ffmpeg has written all it will: the error comes at the very end
+        raise error("the disk filled up as the file was finished")
+
+    monkeypatch.setattr(FfmpegFormat.Writer, "close", failing_close)
+    target = tmp_path / "tail.mp4"
+    with pytest.raises(error):
+        write_video_stream(decoder.decode_iter(z[:1]), target, fps=24)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_one_file_per_sample_for_a_batch(plain, tmp_path):
     z, decoder, expected = plain
     paths = [tmp_path / "a.mp4", tmp_path / "b.mp4"]
