@@ -107,6 +107,11 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
         "an output folder above": (server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE,
                                                       num_frames=FRAMES, output_path="../escape"),
                                    "output_path must be a folder under the server's output_dir"),
+        "a file name with a path": (  # FastVideo stores it as uploads/<id>_<name>: three folders up, were it kept
+            server.client.post("/v1/videos", files={
+                "input_reference": ("a/../../../planted.jpg", image.read_bytes(), "image/jpeg"),
+                **{k: (None, v) for k, v in {"prompt": "x", "size": "300x200", "num_frames": str(FRAMES)}.items()}}),
+            "height must be a positive multiple of 32; got 200"),
     }
     for case, (response, words) in refused.items():
         assert response.status_code == 400, (case, response.text)
@@ -114,7 +119,10 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
         assert words in detail and "\n" not in detail, (case, detail)
     assert len(server.client.get("/v1/videos").json()["data"]) == jobs_before  # no job was made
     assert not outside.exists() and not (folder / "escape").exists()
-    assert _files(server.output_dir / "uploads") == []  # the refused requests' uploads are gone
+    assert not (server.output_dir.parent / "planted.jpg").exists()
+    uploads = server.output_dir / "uploads"
+    assert _files(uploads) == [] and not any(uploads.iterdir())  # the refused requests' uploads are gone
+    assert server.client.post("/v1/images", json={"prompt": "x"}).status_code == 404  # PAN2 serves videos only
     assert server.client.get("/health").json() == {"status": "ok"}
 
 

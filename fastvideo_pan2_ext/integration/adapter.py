@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -119,7 +121,11 @@ SEAMS = (
     Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
          mentions="create_app("),
     Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
-         "'ok', even with its workers dead)", replaced=True),
+         "'ok', even with its workers dead), and its /v1/images routes are not served (they run the generator "
+         "outside PAN2's checks and its one-job-at-a-time queue)", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "save_image_to_path", "FastVideo stores an upload as "
+         "uploads/<request id>_<the client's file name>, a name that can hold a path ('../x'): PAN2 keeps it in "
+         "uploads/", replaced=True),
     Seam("fastvideo.entrypoints.openai.video_api", "_build_generation_kwargs", "PAN2 checks every request here, "
          "before a job exists: FastVideo's create_video calls it, then queues the job", replaced=True,
          mentions="os.makedirs(output_dir"),
@@ -128,6 +134,8 @@ SEAMS = (
          "time", replaced=True),
     Seam("fastvideo.entrypoints.openai.video_api", "create_video", "calls the two above by their module names",
          mentions="_run_generation(request_id"),
+    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "... and stores an upload through "
+         "save_image_to_path by its module name", mentions="await save_image_to_path(image, input_path)"),
     Seam("fastvideo.entrypoints.openai.state", "get_generator", "the server's VideoGenerator"),
     Seam("fastvideo.entrypoints.openai.state", "get_output_dir", "the server's output folder"),
     Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE", "job status updates"),
@@ -434,11 +442,17 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
     video_api._build_generation_kwargs = lambda request_id, req, default_request=None: check_request(
         request_id, req, lambda: build(request_id, req, default_request=default_request))
     video_api._run_generation = run_job
+    save = video_api.save_image_to_path
+
+    async def save_image_to_path(image, target_path: str) -> str:
+        return await save(image, _in_uploads(target_path))
+
+    video_api.save_image_to_path = save_image_to_path
 
     def make(original):
         def create_app(*args, **kwargs):
             app = original(*args, **kwargs)
-            app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
+            app.router.routes[:] = [r for r in app.router.routes if not _unserved(getattr(r, "path", ""))]
             app.add_api_route("/health", health, methods=["GET"])
             fastvideo_lifespan = app.router.lifespan_context
 
@@ -459,6 +473,22 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
     server = config.server
     api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
                           output_dir=server.output_dir, default_request=config.default_request)
+
+
+def _unserved(path: str) -> bool:
+    """FastVideo's routes a PAN2 server drops: its /health (PAN2's replaces it) and its image routes."""
+    return path == "/health" or path.startswith("/v1/images")
+
+
+def _in_uploads(target_path: str) -> str:
+    """FastVideo's path for an upload, uploads/<request id>_<the client's file name>, with that name made one safe
+    file name in uploads/ (a separator or any other character but letters, digits, '.', '-' and '_' becomes '_')."""
+    from fastvideo.entrypoints.openai.state import get_output_dir
+
+    uploads = os.path.join(get_output_dir(), "uploads")
+    if not target_path.startswith(uploads + os.sep):
+        raise ValueError(f"an upload must be stored in {uploads}")
+    return os.path.join(uploads, re.sub(r"[^\w.-]", "_", target_path[len(uploads) + 1:]))
 
 
 def served_generator():
