@@ -264,12 +264,14 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     it again replaces the options."""
     vae = wan_vae_of(target)
     checked = check_options(options, pg)
-    if checked.backend == "cuda" and vae.device.type != "cuda":  # refused now, not after the denoise
-        raise ValueError(f"backend='cuda' runs the compiled kernels on a GPU, but this VAE is on {vae.device}: move "
-                         "the pipeline to the GPU first (pipe.to('cuda')), or pass backend='auto' or 'torch'")
+    # Refused now, not after the denoise. A VAE on the CPU may still decode on a GPU (moved there later, or by
+    # model offload's hook): what is known now is whether there is a GPU, and the budget where it decodes already.
+    if checked.backend == "cuda" and not torch.cuda.is_available():
+        raise ValueError("backend='cuda' runs the compiled kernels on a GPU, but torch sees none here "
+                         "(torch.cuda.is_available() is False): pass backend='auto' or 'torch'")
     state = _FastDecode(checked, pg, None if target is vae else target)
-    if checked.max_memory is not None and vae.device.type != "meta":
-        _check_budget(state.decoder(vae), checked.max_memory)
+    if checked.max_memory is not None and (vae.device.type == "cuda" or not torch.cuda.is_available()):
+        _check_budget(state.decoder(vae), checked.max_memory)  # else the decode checks it before any work
     vae.__dict__[_STATE] = state
     # An instance attribute (deleting it restores diffusers'); a partial, not a bound method, so that a copy or a
     # pickled VAE gets it bound to itself (a bound method pickles by its name, which is diffusers' private `_decode`).

@@ -186,3 +186,17 @@ def test_an_active_unmerged_lora_falls_back_to_diffusers_with_one_warning(z):
         video = vae.decode(z).sample
     with torch.no_grad():
         assert torch.equal(video, type(vae).decode(vae, z).sample)
+
+
+def test_a_vae_with_unmerged_lora_still_moves(z):
+    """The move hook asks only where the VAE's weights are: a VAE the fast decoder falls back on (active LoRA, not
+    merged) moves and casts as diffusers' does, and decodes as diffusers' after."""
+    vae = make_wan22_vae(seed=0)
+    enable_fast_decode(vae)
+    _fast(vae, z)  # the decoder exists, with its prepared weights
+    vae = inject_adapter_in_model(LoraConfig(r=2, target_modules=LORA_TARGETS, init_lora_weights=False), vae)
+    vae.to("cpu", torch.float32)
+    with torch.no_grad(), pytest.warns(UserWarning, match="LoRA adapters that are active but not merged"):
+        video = vae.decode(z).sample
+    with torch.no_grad():
+        assert torch.equal(video, type(vae).decode(vae, z).sample)

@@ -201,7 +201,11 @@ class DecoderWeights:
     def module_device(self) -> torch.device | None:
         """Where the module's weights are now (None: made from a state dict, or the module no longer exists)."""
         module = self._module() if self._module is not None else None
-        return None if module is None else state_dict_of(module)["post_quant_conv.weight"].device
+        if module is None:
+            return None
+        # Read from the layer itself (or PEFT's base layer), not a state dict: it runs in `.to()`, after every move.
+        layer = module.post_quant_conv
+        return getattr(layer, "base_layer", layer).weight.device
 
     def release(self) -> None:
         """Drop the prepared weights (the next `sync` prepares them again from the module)."""
