@@ -123,6 +123,7 @@ SEAMS = (
     Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
          "'ok', even with its workers dead), and its /v1/images routes are not served (they run the generator "
          "outside PAN2's checks and its one-job-at-a-time queue)", replaced=True),
+    Seam("fastvideo.entrypoints.openai.image_api", "router", "... the image routes, as create_app mounts them"),
     Seam("fastvideo.entrypoints.openai.video_api", "save_image_to_path", "FastVideo stores an upload as "
          "uploads/<request id>_<the client's file name>, a name that can hold a path ('../x'): PAN2 keeps it in "
          "uploads/", replaced=True),
@@ -452,7 +453,7 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
     def make(original):
         def create_app(*args, **kwargs):
             app = original(*args, **kwargs)
-            app.router.routes[:] = [r for r in app.router.routes if not _unserved(getattr(r, "path", ""))]
+            app.router.routes[:] = [r for r in app.router.routes if not _unserved(r)]
             app.add_api_route("/health", health, methods=["GET"])
             fastvideo_lifespan = app.router.lifespan_context
 
@@ -475,9 +476,14 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
                           output_dir=server.output_dir, default_request=config.default_request)
 
 
-def _unserved(path: str) -> bool:
-    """FastVideo's routes a PAN2 server drops: its /health (PAN2's replaces it) and its image routes."""
-    return path == "/health" or path.startswith("/v1/images")
+def _unserved(route) -> bool:
+    """FastVideo's routes a PAN2 server drops: its /health (PAN2's replaces it) and its image routes (FastAPI keeps an
+    included router whole, as `original_router`; older releases copy its routes, each with its path)."""
+    from fastvideo.entrypoints.openai import image_api
+
+    path = getattr(route, "path", None) or ""
+    return path == "/health" or path.startswith("/v1/images") or \
+        getattr(route, "original_router", None) is image_api.router
 
 
 def _in_uploads(target_path: str) -> str:

@@ -45,7 +45,9 @@ class PAN2Pipeline(adapter.symbol("WanPipeline")):
         super().add_stage(stage_name, stage)
 
     def forward(self, batch, fastvideo_args):
-        if not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
+        # Several ranks: one that failed alone would leave the others waiting in a collective; they all stop instead,
+        # as in FastVideo (/health then says so).
+        if fastvideo_args.num_gpus > 1 or not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
             return super().forward(batch, fastvideo_args)
         try:
             return super().forward(batch, fastvideo_args)
