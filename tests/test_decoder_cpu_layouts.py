@@ -210,6 +210,7 @@ _COMPUTE_DTYPE_WITH_AMX_BF16 = """
 import torch
 capabilities = {**torch.cpu.get_capabilities(), "amx_tile": True, "amx_bf16": True}
 torch.cpu.get_capabilities = lambda: capabilities  # this CPU, given the AMX-BF16 of a 4th-generation Xeon
+torch.cpu._is_amx_tile_supported = lambda: True  # ... which its kernel lets this process use
 from fastvideo_pan2_ext.vae_kernel.portable import ops
 print(ops.compute_dtype(torch.device("cpu")))
 """
@@ -285,3 +286,17 @@ def test_without_torchs_private_onednn_ops_the_bf16_convs_run_unpacked_with_one_
     assert not any(ops.prepacked(w) for w in decoder.weights.values())
     check_allowance(prepacked, ref32, release)
     check_allowance(video, ref32, release)
+
+
+def test_an_amx_cpu_whose_kernel_withholds_the_tiles_computes_in_fp32(monkeypatch):
+    """AMX-BF16 in the CPU's flags is not enough: the kernel must let the process use the tiles (a kernel or sandbox
+    that does not leaves oneDNN on its kernels of a CPU without AMX)."""
+    capabilities = {**torch.cpu.get_capabilities(), "amx_tile": True, "amx_bf16": True}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    for variable in _ISA_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    probe = ops.cpu_has_amx_bf16.__wrapped__  # uncached: the test's own answers
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert probe() is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert probe() is torch.backends.mkldnn.is_available()

@@ -67,6 +67,9 @@ def cpu_has_amx_bf16() -> bool:
     other kind of CPU replace this probe."""
     if not torch.backends.mkldnn.is_available() or not torch.cpu.get_capabilities().get("amx_bf16", False):
         return False
+    granted = getattr(torch.cpu, "_is_amx_tile_supported", None)  # and the kernel lets this process use its tiles
+    if granted is not None and not granted():
+        return False
     return _onednn_isa_cap() not in _ISA_CAPS_WITHOUT_AMX
 
 
