@@ -140,10 +140,13 @@ class PAN2Server:
             raise ValueError("PAN2 makes a video from a first frame: send the image as input_reference (multipart) or "
                              "reference_url")
         sent_path = "input_reference" in req.model_fields_set and upload is None
-        if sent_path and not (self.rules.input_dir and _within(Path(image).resolve(), self.rules.input_dir)):
-            raise ValueError("input_reference must be an image sent with the request (multipart input_reference, or "
-                             "reference_url); this server reads no path on its disk" +
-                             (f" outside {self.rules.input_dir}" if self.rules.input_dir else ""))
+        if sent_path:
+            resolved = Path(image).resolve()
+            if not (self.rules.input_dir and _within(resolved, self.rules.input_dir)):
+                raise ValueError("input_reference must be an image sent with the request (multipart input_reference, "
+                                 "or reference_url); this server reads no path on its disk" +
+                                 (f" outside {self.rules.input_dir}" if self.rules.input_dir else ""))
+            image = kwargs["image_path"] = str(resolved)  # what was checked is what the worker opens
         height, width = kwargs.get("height", DEFAULT_HEIGHT), kwargs.get("width", DEFAULT_WIDTH)
         check_size(height, width)
         img = load_image(image)  # reads it fully: unreadable, truncated or oversized images fail here
