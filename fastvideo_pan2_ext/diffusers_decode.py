@@ -37,6 +37,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.distributed.bands import comm_device
 from fastvideo_pan2_ext.vae_kernel.portable.weights import state_dict_of
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.portable import passes
@@ -130,11 +131,13 @@ class _FastDecode:
             self.warn_once("sequential", "enable_fast_decode: this AutoencoderKLWan is offloaded layer by layer "
                                          "(enable_sequential_cpu_offload), so its weights are never on the GPU at "
                                          "once; decoding with diffusers' decode")
+            self._decoder = None  # diffusers decodes: nothing of ours stays on the device
             return None
         reason = unsupported_reason(vae)
         if reason is not None:
             self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
                                           f"decoder's architecture ({reason}); decoding with diffusers' decode")
+            self._decoder = None
             return None
         if self._decoder is None or self._decoder.device != vae.device:
             opts = self.options
@@ -187,9 +190,9 @@ def _decode_video(decoder: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
     video = decoder.decode(z)
     if decoder.pg is None:
         return video
-    comm_device = z.device if "nccl" in str(dist.get_backend(decoder.pg)) else torch.device("cpu")
-    buffer = video.to(comm_device) if video is not None else \
-        torch.empty(decoder.output_shape(z), dtype=torch.bfloat16, device=comm_device)
+    where = comm_device(decoder.pg, z.device)
+    buffer = video.to(where) if video is not None else \
+        torch.empty(decoder.output_shape(z), dtype=torch.bfloat16, device=where)
     dist.broadcast(buffer, src=dist.get_global_rank(decoder.pg, 0), group=decoder.pg)
     return buffer.to(z.device)
 
