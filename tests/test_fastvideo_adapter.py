@@ -26,7 +26,32 @@ def test_every_seam_exists_in_the_installed_fastvideo():
     from fastvideo_pan2_ext.integration import adapter
 
     adapter.check()
-    assert any(seam.replaced for seam in adapter.SEAMS) and all(seam.why for seam in adapter.SEAMS)
+    adapter.check_serving()
+    seams = adapter.SEAMS + adapter.SERVE_SEAMS
+    assert any(seam.replaced for seam in seams) and all(seam.why for seam in seams)
+
+
+WITHOUT_THE_WEB_STACK = textwrap.dedent("""
+    import sys
+    for name in ("uvicorn", "aiofiles", "multipart", "python_multipart"):  # only FastVideo's HTTP server needs these
+        sys.modules[name] = None
+    import fastvideo
+    from fastvideo_pan2_ext import register
+    from fastvideo_pan2_ext.integration import adapter
+    register()
+    try:
+        adapter.check_serving()
+    except adapter.IncompatibleFastVideo as exc:
+        print("serving:", exc)
+""")
+
+
+def test_pan2_registers_without_fastvideos_web_stack_and_only_its_server_needs_it():
+    run = run_python(WITHOUT_THE_WEB_STACK)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "failed to load" not in run.stderr
+    line = run.stdout.strip().splitlines()[-1]
+    assert line.startswith("serving: fastvideo_pan2_ext needs fastvideo.entrypoints.openai."), line
 
 
 REMOVED = textwrap.dedent("""

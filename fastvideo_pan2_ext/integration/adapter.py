@@ -118,28 +118,6 @@ SEAMS = (
     Seam("fastvideo.api.schema", "ServeConfig", "the serve config a PAN2 server is checked into"),
     Seam("fastvideo.api.compat", "generator_config_to_fastvideo_args", "the serve config's generator, as serve "
          "builds it"),
-    Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
-         mentions="create_app("),
-    Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
-         "'ok', even with its workers dead), and its /v1/images routes are not served (they run the generator "
-         "outside PAN2's checks and its one-job-at-a-time queue)", replaced=True),
-    Seam("fastvideo.entrypoints.openai.image_api", "router", "... the image routes, as create_app mounts them"),
-    Seam("fastvideo.entrypoints.openai.video_api", "save_image_to_path", "FastVideo stores an upload as "
-         "uploads/<request id>_<the client's file name>, a name that can hold a path ('../x'): PAN2 keeps it in "
-         "uploads/", replaced=True),
-    Seam("fastvideo.entrypoints.openai.video_api", "_build_generation_kwargs", "PAN2 checks every request here, "
-         "before a job exists: FastVideo's create_video calls it, then queues the job", replaced=True,
-         mentions="os.makedirs(output_dir"),
-    Seam("fastvideo.entrypoints.openai.video_api", "_run_generation", "FastVideo runs jobs concurrently in the "
-         "default thread pool over one unlocked worker pipe (clients get each other's videos): PAN2 runs one at a "
-         "time", replaced=True),
-    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "calls the two above by their module names",
-         mentions="_run_generation(request_id"),
-    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "... and stores an upload through "
-         "save_image_to_path by its module name", mentions="await save_image_to_path(image, input_path)"),
-    Seam("fastvideo.entrypoints.openai.state", "get_generator", "the server's VideoGenerator"),
-    Seam("fastvideo.entrypoints.openai.state", "get_output_dir", "the server's output folder"),
-    Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE", "job status updates"),
     Seam("fastvideo.worker.multiproc_executor", "MultiprocExecutor._init_executor", "/health asks its worker "
          "processes (`self.workers`, each with its `proc`)", mentions="self.workers ="),
     Seam("fastvideo.entrypoints.video_generator", "VideoGenerator._generate_single_video", "FastVideo saves in the "
@@ -165,7 +143,32 @@ SEAMS = (
          "GPU-less machine 'cuda' means CPU autocast (the same mixed precision on the device that exists)",
          replaced=True),
     Seam("torch", "cuda.synchronize", "CPU only: FASTVIDEO_STAGE_LOGGING=1 synchronizes after every stage, which "
-         "raises without CUDA; with no CUDA device there is nothing to wait for", replaced=True),
+         "raises without CUDA; with no CUDA device there is nothing to wait for", replaced=True),)
+# What a PAN2 server needs of FastVideo's HTTP server (its optional web stack: fastapi, uvicorn, aiofiles): checked
+# when a PAN2 server starts (`check_serving`), so a FastVideo without them still runs PAN2 everywhere else.
+SERVE_SEAMS = (
+    Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
+         mentions="create_app("),
+    Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
+         "'ok', even with its workers dead), and its /v1/images routes are not served (they run the generator "
+         "outside PAN2's checks and its one-job-at-a-time queue)", replaced=True),
+    Seam("fastvideo.entrypoints.openai.image_api", "router", "... the image routes, as create_app mounts them"),
+    Seam("fastvideo.entrypoints.openai.video_api", "save_image_to_path", "FastVideo stores an upload as "
+         "uploads/<request id>_<the client's file name>, a name that can hold a path ('../x'): PAN2 keeps it in "
+         "uploads/", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "_build_generation_kwargs", "PAN2 checks every request here, "
+         "before a job exists: FastVideo's create_video calls it, then queues the job", replaced=True,
+         mentions="os.makedirs(output_dir"),
+    Seam("fastvideo.entrypoints.openai.video_api", "_run_generation", "FastVideo runs jobs concurrently in the "
+         "default thread pool over one unlocked worker pipe (clients get each other's videos): PAN2 runs one at a "
+         "time", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "calls the two above by their module names",
+         mentions="_run_generation(request_id"),
+    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "... and stores an upload through "
+         "save_image_to_path by its module name", mentions="await save_image_to_path(image, input_path)"),
+    Seam("fastvideo.entrypoints.openai.state", "get_generator", "the server's VideoGenerator"),
+    Seam("fastvideo.entrypoints.openai.state", "get_output_dir", "the server's output folder"),
+    Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE", "job status updates"),
 )
 
 # FastVideo's offloads need CUDA (the parent, too, pins its output buffer): off in GPU-less processes.
@@ -221,6 +224,12 @@ def _lookup(seam: Seam) -> Any:
 def check() -> None:
     """Raise IncompatibleFastVideo naming the first seam the installed FastVideo does not have."""
     for seam in SEAMS:
+        _lookup(seam)
+
+
+def check_serving() -> None:
+    """`check` for what a PAN2 server needs besides (`SERVE_SEAMS`)."""
+    for seam in SERVE_SEAMS:
         _lookup(seam)
 
 

@@ -262,8 +262,9 @@ def _validate(args, fastvideo_validate) -> None:
             return fastvideo_validate(args)
         if name != PIPELINE_NAME:
             cli.fail("serve", f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
+        adapter.check_serving()
         config, rules = _pan2_serve_config(raw)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, adapter.IncompatibleFastVideo) as exc:
         cli.fail("serve", exc)
     adapter.hand_serve_config_to_serve(args, config)
     setattr(args, _SERVING, rules)
