@@ -94,6 +94,7 @@ class PAN2Server:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pan2-job")
         self._turn: asyncio.Lock | None = None  # made in the server's event loop
         self._uploads: dict[str, Path] = {}  # request id -> the image its client sent
+        self._running: dict[str, Path] = {}  # request id -> its video, until the job's end is recorded
 
     # ------------------------------------------------------------------------------------------- submission
 
@@ -166,6 +167,7 @@ class PAN2Server:
             self._turn = asyncio.Lock()
         try:
             async with self._turn:
+                self._running[request_id] = Path(kwargs["output_path"])
                 await adapter.update_job(request_id, {"status": "in_progress", "progress": 0})
                 start = time.perf_counter()
                 try:
@@ -177,6 +179,7 @@ class PAN2Server:
                     update = {"status": "failed", "error": {"message": self._reason(exc)}}
                     logger.error("Video %s failed: %s", request_id, update["error"]["message"], exc_info=exc)
                 await adapter.update_job(request_id, update)
+                self._running.pop(request_id, None)
         finally:
             self._drop_upload(request_id)
 
@@ -223,10 +226,13 @@ class PAN2Server:
         return {"status": "ok"}
 
     def stopped(self) -> None:
-        """After FastVideo's shutdown: no worker, no partial video, no upload left (idempotent)."""
+        """After FastVideo's shutdown: no worker, no partial video, no video of a job that did not end, no upload left
+        (idempotent)."""
         logger.info("PAN2 server stopping: workers, partial videos and uploads removed")
         cli.stop_workers()
         streamed_save.remove_left_partials()
+        for request_id in list(self._running):  # its job never ended: a video finished during the shutdown goes too
+            self._running.pop(request_id).unlink(missing_ok=True)
         for request_id in list(self._uploads):
             self._uploads.pop(request_id).unlink(missing_ok=True)
         self._thread.shutdown(wait=False, cancel_futures=True)
