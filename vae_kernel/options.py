@@ -1,9 +1,11 @@
-"""The fast decoder's options, defined once (docs/design.md, "Options").
+"""The fast decoder's and the fast encoder's options, defined once (docs/design.md, "Options").
 
-Each option is a name, a type, a default, what it means and its check. From this table come `WanVAEDecoder`'s keyword
-arguments, the fields FastVideo's Wan VAE config gets (`decode_<name>`, beside the `decode_kernel` switch), PAN2's
-switches (`vae_decode_<name>`, views of its Wan VAE config), the decode command's flags (`--frames-per-pass`, ...) and
-the options `enable_fast_decode` takes. A new option is a new row here (and the code that honours it).
+Each option is a name, a type, a default, what it means, its check and whether it applies to the decode, the encode
+or both. From this table come `WanVAEDecoder`'s keyword arguments (`OPTIONS`: the decode's), `WanVAEEncoder`'s
+(`ENCODE_OPTIONS`), the fields FastVideo's Wan VAE config gets (`decode_<name>`, beside the `decode_kernel` switch),
+PAN2's switches (`vae_decode_<name>`, views of its Wan VAE config), the decode command's flags (`--frames-per-pass`,
+...) and the options `enable_fast_decode` and `enable_fast_encode` take. A new option is a new row here (and the code
+that honours it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .portable.ops import Ops
 
 BACKENDS = ("auto", "cuda", "torch")
 CONV_ALGORITHMS = ("auto", "direct", "winograd")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def _check_frames_per_pass(label: str, value) -> None:
@@ -45,6 +48,16 @@ def _check_conv_algorithm(label: str, value) -> None:
         raise ValueError(f"{label} must be one of {list(CONV_ALGORITHMS)}; got {value!r}")
 
 
+def _check_precision(label: str, value) -> None:
+    if value not in PRECISIONS:
+        raise ValueError(f"{label} must be one of {list(PRECISIONS)}; got {value!r}")
+
+
+def _check_bool(label: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{label} must be True or False; got {value!r}")
+
+
 def _count_or_auto(text: str) -> int | str:
     return int(text) if text.strip().lstrip("-").isdigit() else text
 
@@ -65,28 +78,43 @@ class Option:
     meaning: str
     check: Callable[[str, Any], None]  # ValueError naming `label` when the value is wrong
     from_text: Callable[[str], Any] = str  # a command line's spelling -> the value (then checked)
+    applies: tuple[str, ...] = ("decode", "encode")
 
 
-OPTIONS = (
-    Option("frames_per_pass", int | str, AUTO, "latent frames per pass (memory vs speed; the same video), or 'auto': "
-           "the most that fit the free memory", _check_frames_per_pass, _count_or_auto),
-    Option("tile_rows", int | None, None, "decode in exact tiles of this many latent rows, one after another (the "
-           "same video, less memory; one rank)", _check_tile_rows, _count_or_none),
-    Option("max_memory", int | str | None, None, "or let the decoder pick, per latent shape, the largest tile whose "
-           "working memory fits this budget (bytes, or a string such as '8GiB'; one rank)", _check_max_memory,
-           _bytes_or_none),
+ALL_OPTIONS = (
+    Option("frames_per_pass", int | str, AUTO, "latent frames per pass (memory vs speed; the same result), or "
+           "'auto': the most that fit the free memory", _check_frames_per_pass, _count_or_auto),
+    Option("tile_rows", int | None, None, "work in exact tiles of this many latent rows, one after another (the "
+           "same result, less memory; one rank)", _check_tile_rows, _count_or_none),
+    Option("max_memory", int | str | None, None, "or pick, per shape, the largest tile whose working memory fits "
+           "this budget (bytes, or a string such as '8GiB'; one rank)", _check_max_memory, _bytes_or_none),
     Option("backend", str, "auto", "'auto' (compiled kernels where built and self-checked, else portable), 'cuda' "
            "(compiled or an error), 'torch' (portable, CPU too)", _check_backend),
     Option("conv_algorithm", str, "auto", "the 3x3 spatial convs 'direct', by 'winograd' F(2x2, 3x3), or 'auto' (per "
-           "layer, as measured for the GPU; direct elsewhere)", _check_conv_algorithm),
+           "layer, as measured for the GPU; direct elsewhere)", _check_conv_algorithm, applies=("decode",)),
+    Option("precision", str, "auto", "what the encode computes in: 'auto' (as diffusers' and FastVideo's own encode "
+           "for the VAE's dtype: fp32 for an fp32 VAE, TF32 where torch's settings allow it; bf16 for a bf16 VAE), "
+           "'fp32' (no TF32), 'bf16'", _check_precision, applies=("encode",)),
+    Option("reuse_steady", bool, True, "reuse a stage's last output when its input and causal history repeat (exact: "
+           "image-to-video inputs)", _check_bool, applies=("encode",)),
 )
+OPTIONS = tuple(o for o in ALL_OPTIONS if "decode" in o.applies)  # the decoder's
+ENCODE_OPTIONS = tuple(o for o in ALL_OPTIONS if "encode" in o.applies)
 NAMES = tuple(option.name for option in OPTIONS)
 DEFAULTS = {option.name: option.default for option in OPTIONS}
+ENCODE_NAMES = tuple(option.name for option in ENCODE_OPTIONS)
 
-DecoderOptions = dataclasses.make_dataclass(
-    "DecoderOptions", [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in OPTIONS], frozen=True,
-    namespace={"__doc__": "The fast decoder's options (see `OPTIONS`), checked.",
-               "tiled": property(lambda self: self.tile_rows is not None or self.max_memory is not None)})
+
+def _options_class(name: str, table: tuple[Option, ...], doc: str):
+    return dataclasses.make_dataclass(
+        name, [(o.name, o.annotation, dataclasses.field(default=o.default)) for o in table], frozen=True,
+        namespace={"__doc__": doc,
+                   "tiled": property(lambda self: self.tile_rows is not None or self.max_memory is not None)})
+
+
+DecoderOptions = _options_class("DecoderOptions", OPTIONS, "The fast decoder's options (see `OPTIONS`), checked.")
+EncoderOptions = _options_class("EncoderOptions", ENCODE_OPTIONS,
+                                "The fast encoder's options (see `ENCODE_OPTIONS`), checked.")
 
 
 def as_kwargs(options: DecoderOptions) -> dict[str, Any]:
@@ -95,20 +123,23 @@ def as_kwargs(options: DecoderOptions) -> dict[str, Any]:
 
 
 def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: str | None = None,
-          enabled: bool = True) -> DecoderOptions:
-    """`values` (a subset of the options; the rest default) as DecoderOptions, or a ValueError naming the first bad
-    one as the caller calls it (`label(name)`). `switch`/`enabled`: the caller's switch that turns the fast decoder on
-    (tiling options without it are an error: nothing else tiles exactly)."""
-    unknown = sorted(set(values) - set(NAMES))
+          enabled: bool = True, part: str = "decode"):
+    """`values` (a subset of the options of `part`, "decode" or "encode"; the rest default) as DecoderOptions
+    (EncoderOptions), or a ValueError naming the first bad one as the caller calls it (`label(name)`).
+    `switch`/`enabled`: the caller's switch that turns the fast decoder on (tiling options without it are an error:
+    nothing else tiles exactly)."""
+    table, names, make = (OPTIONS, NAMES, DecoderOptions) if part == "decode" else \
+        (ENCODE_OPTIONS, ENCODE_NAMES, EncoderOptions)
+    unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"unknown decoder option(s) {', '.join(label(n) for n in unknown)}; the options are "
-                         f"{', '.join(label(n) for n in NAMES)}")
+        raise ValueError(f"unknown {part}r option(s) {', '.join(label(n) for n in unknown)}; the options are "
+                         f"{', '.join(label(n) for n in names)}")
     if switch is not None and not isinstance(enabled, bool):
         raise ValueError(f"{switch} must be a bool; got {enabled!r}")
-    for option in OPTIONS:
+    for option in table:
         if option.name in values:
             option.check(label(option.name), values[option.name])
-    options = DecoderOptions(**values)
+    options = make(**values)
     if options.tile_rows is not None and options.max_memory is not None:
         raise ValueError(f"set {label('tile_rows')} or {label('max_memory')}, not both: the budget picks the tile")
     if options.tiled and not enabled:

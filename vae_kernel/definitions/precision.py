@@ -20,10 +20,12 @@ def exact_fp32():
 
 
 @contextlib.contextmanager
-def own_arithmetic(device: torch.device):
+def own_arithmetic(device: torch.device, tf32_as_caller: bool = False):
     """The decoder's arithmetic is its own (bf16 tensors, fp32 statistics and accumulation, weights prepared in
     fp32): no autograd, fp32 that means fp32, and no autocast region around it (FastVideo's decoding stage has one)
     changing an op's dtype. Enter it around work, never across a generator's yield: the caller's code between
-    chunks keeps its own settings."""
-    with torch.no_grad(), exact_fp32(), torch.autocast(device.type, enabled=False):
+    chunks keeps its own settings. `tf32_as_caller`: fp32 convs and matmuls use TF32 where the caller's torch
+    settings say so (the encoder's precision "auto", as diffusers' own encode would)."""
+    with torch.no_grad(), contextlib.nullcontext() if tf32_as_caller else exact_fp32(), \
+            torch.autocast(device.type, enabled=False):
         yield

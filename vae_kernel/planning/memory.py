@@ -30,7 +30,7 @@ from ..distributed.bands import LocalRows, split_rows
 from ..portable import ops
 from ..portable.network import DecodeState, NetworkPass, Tile
 from ..portable.ops import Ops
-from ..portable.passes import latent_passes, pass_video_frames, row_tiles
+from ..portable.passes import EncodeRunner, latent_passes, pass_video_frames, row_tiles
 
 AUTO = "auto"
 FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first (`choose_plan`)
@@ -94,7 +94,7 @@ def choose_plan(planner: MemoryPlanner, latents_shape, frames_per_pass: int | st
         fpp = planner.most_frames_per_pass(shape, None, stream, budget) or 1
         return DecodePlan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, budget))
     band = band_shape(shape, ranks, row_multiple)
-    video = 0 if stream else 2 * math.prod(video_shape(planner.config, shape))  # decode returns it, bf16
+    video = 0 if stream else planner.output_bytes(shape)  # decode (encode) returns it
     free = free_device_bytes(planner.device)
     room = None if free is None else free - video
     goal = DEFAULT_MEMORY_GOAL - planner.weight_bytes - video
@@ -218,18 +218,23 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def dry_ops(device: torch.device) -> Ops:
+def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     """An op table that computes nothing and holds, while each op runs, the temporaries the portable op (`ops.py`)
     materialises on `device`, which computes in `ops.compute_dtype(device)`. The convs and the attention: a copy in
     the compute dtype of each operand held in another (bf16 activations on an fp32 CPU; bf16 weights where the table
     takes them as prepared), the input with its zero rows where a conv is tiny (`ops.tiny_call_rows`), and the result
     in the compute dtype; views and the destination cost nothing. The norm, the DupUp shortcut and the unpatchify
     compute the same on every device: the portable ops themselves run (on meta tensors: shapes only)."""
-    compute = ops.compute_dtype(device)
+    compute = compute or ops.compute_dtype(device)
     size = compute.itemsize
 
     def casts(*operands: torch.Tensor) -> int:
         return sum(t.numel() * size for t in operands if t.dtype != compute)
+
+    def computing(x: torch.Tensor) -> Ops | None:
+        """Another table for activations that compute in another dtype (`ops.activation_compute_dtype`: the
+        encoder's fp32 ones compute in fp32 on every device)."""
+        return dry_ops(device, torch.float32) if x.dtype == torch.float32 and compute != torch.float32 else None
 
     def hold(nbytes: int) -> None:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
@@ -237,12 +242,14 @@ def dry_ops(device: torch.device) -> Ops:
 
     def padded(x, out_spatial) -> tuple[int, float]:
         """The bytes of a tiny conv's padded input, and how much longer its result is than the output."""
-        extra = ops.tiny_call_rows(out_spatial, device)
+        extra = ops.tiny_call_rows(out_spatial, device) if compute == torch.bfloat16 else 0
         rows_in = x.shape[-3]
         return (x.numel() // rows_in * (rows_in + extra) * x.element_size() if extra else 0,
                 (out_spatial[-2] + extra) / out_spatial[-2])
 
     def conv3d(x, w, b, out, residual=None):
+        if computing(x) is not None:
+            return computing(x).conv3d(x, w, b, out, residual)
         copy, longer = padded(x, out.shape[1:-1])
         result = int(out.numel() * longer) * size
         added = out.numel() * size if residual is not None and compute != torch.float32 else 0  # fp32: in place
@@ -259,6 +266,8 @@ def dry_ops(device: torch.device) -> Ops:
     def attention(q, kv, out):
         # On a CPU the queries in whole blocks (`ops.attention`: a padded copy, and its result); plus the score matrix
         # a math-path softmax attention may materialise (frames x queries x L).
+        if computing(q) is not None:
+            return computing(q).attention(q, kv, out)
         frames, queries, channels = q.shape
         if device.type == "cpu":
             held = casts(kv) + 2 * frames * ops.attention_queries(queries, device) * channels * size
@@ -266,7 +275,13 @@ def dry_ops(device: torch.device) -> Ops:
             held = casts(q, kv) + out.numel() * size
         hold(held + frames * queries * kv.shape[1] * size)
 
-    return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp)
+    def conv3d_strided(x, w, b, out, stride):  # what the conv holds is its input's cast and its result
+        if computing(x) is not None:
+            return computing(x).conv3d_strided(x, w, b, out, stride)
+        hold(casts(x, w, b) + out.numel() * size)
+
+    return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp,
+               conv3d_strided=conv3d_strided)
 
 
 class MemoryPlanner:
@@ -282,6 +297,10 @@ class MemoryPlanner:
         self.weight_bytes = sum(w.numel() * w.element_size() * (2 if ops.prepacked(w) else 1) for w in weights.values())
         self._peaks: dict[tuple, int] = {}
         self._plans: dict[tuple, int | None] = {}
+
+    def output_bytes(self, latents_shape) -> int:
+        """What a decode returns: the bf16 video."""
+        return 2 * math.prod(video_shape(self.config, latents_shape))
 
     def peak_bytes(self, latents_shape, frames_per_pass: int, tile_rows: int | None = None,
                    stream: bool = False) -> int:
@@ -432,6 +451,36 @@ class MemoryPlanner:
                 return rows
             peaks.append(peak)
         raise _too_small(budget, shape, min(peaks), "streamed (decode_iter) in any tile size")
+
+
+class EncoderPlanner(MemoryPlanner):
+    """The encoder's planner: the same plans and rules, in latent frames and rows (a shape is the moments'
+    [B, 2 z_dim, T, h, w]), its replay the encoder's passes (`passes.EncodeRunner` on the meta device, `dtype`
+    activations). The encoder has no streamed form."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(weights, config, device)
+        self.dtype = dtype
+
+    def output_bytes(self, latents_shape) -> int:
+        return math.prod(latents_shape) * 4  # the moments, in the VAE's dtype (fp32 at most)
+
+    def _replay(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool) -> int:
+        _, moments, t, height, width = latents_shape
+        s = self.config.spatial_scale
+        # The first frame, a pass whose history is that frame, then one with the full history: later passes repeat it.
+        short = latent_passes(t, frames_per_pass)[:3][-1][1]
+        meta = torch.device("meta")
+        video = torch.empty((1, 3, 4 * short - 3, s * height, s * width), device=meta)
+        runner = EncodeRunner(dry_ops(self.device), self._meta_weights, self.config, meta, self.dtype,
+                              frames_per_pass, reuse_steady=False, progress=False)
+        with LiveBytes() as tracker:
+            out, _ = runner.encode(video, (1, moments, short, height, width), tile_rows)
+            del out
+        # The clip-long buffers (the moments; tiled, the last level's input too) hold every latent frame, not `short`.
+        tiled = tile_rows is not None and tile_rows < height
+        per_frame = height * width * (moments + (self.config.dims[-2] if tiled else 0)) * self.dtype.itemsize
+        return tracker.peak + (t - short) * per_frame
 
 
 def _too_small(budget: int, shape, needed: int, how: str) -> ValueError:

@@ -22,25 +22,35 @@ from .ops import Ops
 
 
 class DecodeState:
-    """Everything one sample's decode carries from pass to pass: each causal conv's history, and reusable windows."""
+    """Everything one sample's pass through the network (the decoder's or the encoder's) carries from pass to pass:
+    each causal conv's history, and reusable windows, in the activations' dtype (bf16; the encoder's fp32 precision:
+    fp32). `histories_changed` says whether a pass changed any history since it was last reset (the encoder's steady
+    reuse reads it)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.device, self.dtype = device, dtype
         self.histories: dict[str, torch.Tensor] = {}
         self.windows: dict[tuple, torch.Tensor] = {}
+        self.watch_histories = False  # compare each history with what replaces it (`replace_history`)
+        self.histories_changed = False
 
     def history(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # Zeros before the first frame: the causal padding.
         if name not in self.histories:
-            self.histories[name] = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+            self.histories[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.histories[name]
+
+    def replace_history(self, history: torch.Tensor, frames: torch.Tensor) -> None:
+        if self.watch_histories and not self.histories_changed and not torch.equal(history, frames):
+            self.histories_changed = True
+        history.copy_(frames)
 
     def window(self, kind: str, frames: int, rows: int, width: int, channels: int) -> torch.Tensor:
         """A zero-initialised [1, >= frames, rows, W, C] buffer shared by the convs of one shape (slice it)."""
         key = (kind, rows, width, channels)
         buffer = self.windows.get(key)
         if buffer is None or buffer.shape[1] < frames:
-            buffer = torch.zeros((1, frames, rows, width, channels), dtype=torch.bfloat16, device=self.device)
+            buffer = torch.zeros((1, frames, rows, width, channels), dtype=self.dtype, device=self.device)
             self.windows[key] = buffer
         return buffer[:, :frames]
 
@@ -87,7 +97,7 @@ class NetworkPass:
         self.tile = tile
 
     def _empty(self, *shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.bfloat16, device=self.state.device)
+        return torch.empty(shape, dtype=self.state.dtype, device=self.state.device)
 
     def causal_conv(self, name: str, fill, frames: int, rows: int, width: int, channels: int,
                     residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,7 +112,7 @@ class NetworkPass:
         self.rows.exchange_halos(window[0, keep:])
         out = self._empty(1, frames, rows, width, w.shape[0])
         self.ops.conv3d(window, w, b, out, residual)
-        history.copy_(window[:, frames:])
+        self.state.replace_history(history, window[:, frames:])
         return out
 
     def norm_conv(self, norm: str, conv: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,7 +176,7 @@ class NetworkPass:
         window[:, keep:].copy_(x)
         out = self._empty(1, frames, rows, width, w.shape[0])
         self.ops.conv3d(window, w, b, out)
-        history.copy_(window[:, frames:])
+        self.state.replace_history(history, window[:, frames:])
         return out
 
     def up_block(self, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -203,9 +203,16 @@ def prepacked(w: torch.Tensor) -> bool:
     return _packed(w) is not None
 
 
+def activation_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """The dtype an op computes in for activations like `x`: fp32 activations (the encoder's fp32 precision) in fp32,
+    bf16 ones in `compute_dtype` of their device."""
+    return torch.float32 if x.dtype == torch.float32 else compute_dtype(x.device)
+
+
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
-          packed: torch.Tensor | None = None) -> torch.Tensor:
-    """A stride-1 conv of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels last). On CPU it
+          packed: torch.Tensor | None = None, stride: list[int] | None = None) -> torch.Tensor:
+    """A conv (stride 1 unless `stride`) of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels
+    last), computing in `activation_compute_dtype(x)`. On CPU it
     computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
     carry the per-shape choice), else channels last; on a GPU channels last. The result is in that layout.
 
@@ -214,11 +221,13 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
     prepacked copy (`prepack`), replaces w (while torch's private oneDNN op serves: `_private_onednn`), and a bf16
     call too small for AMX is padded (`tiny_call_rows`).
     """
-    dtype = compute_dtype(x.device)
+    dtype = activation_compute_dtype(x)
+    stride = stride or [1] * len(padding)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
         rows = x.shape[-2] - w.shape[-2] + 1
-        extra = tiny_call_rows([s - k + 1 + 2 * p for s, k, p in zip(x.shape[2:], w.shape[2:], padding)], x.device)
+        extra = 0 if dtype != torch.bfloat16 or stride[-2] != 1 else \
+            tiny_call_rows([s - k + 1 + 2 * p for s, k, p in zip(x.shape[2:], w.shape[2:], padding)], x.device)
         if extra:  # a channels-last copy of x with `extra` zero rows below
             padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + extra, x.shape[-1], x.shape[1]))
             padded.movedim(-1, 1)[..., :-extra, :].copy_(x)
@@ -227,11 +236,11 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
         y = None if packed is None else \
             _private_onednn("_convolution_pointwise", x, packed, b.to(dtype), padding, ones, ones, 1, "none", [], "")
         if y is None:
-            y = torch.mkldnn_convolution(x, _as(w, dtype, layout), b.to(dtype), padding, ones, ones, 1)
+            y = torch.mkldnn_convolution(x, _as(w, dtype, layout), b.to(dtype), padding, stride, ones, 1)
         return y[..., :rows, :] if extra else y
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
-    return conv(x, w, b, padding=padding)
+    return conv(x, w, b, padding=padding, stride=stride)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -312,7 +321,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
     out [M, Lq, C] bf16. M = frames. Each query's result is the same whatever else the call holds (bands, tiles and
     passes of any size): on a CPU through blocks of CPU_QUERY_BLOCK queries.
     """
-    dtype = compute_dtype(q.device)
+    dtype = activation_compute_dtype(q)
     m, queries, c = q.shape
     k, v = kv.to(dtype).split(c, dim=-1)
     if q.device.type != "cpu":
@@ -356,6 +365,50 @@ def unpatchify_clamp(x: torch.Tensor, out: torch.Tensor, patch_size: int) -> Non
     out.copy_(y.clamp(-1.0, 1.0))
 
 
+def conv3d_strided(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   stride: tuple[int, int, int]) -> None:
+    """out = conv(x, w) + b with `stride` (frames, rows, columns), valid in every dim: the encoder's downsamples, a
+    3x3 conv of stride (1, 2, 2) after the zero row and column its caller puts below and right of the frame, and the
+    (3, 1, 1) time conv of stride (2, 1, 1) after the caller's history frame.
+
+    x [N, Ti, Hi, Wi, Ci] (contiguous); w [Co, kt, kh, kw, Ci] (prepared); b [Co] fp32; out [N, To, Ho, Wo, Co] with
+    To = (Ti - kt) // st + 1 and so on.
+    """
+    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, [0, 0, 0], None, list(stride))
+    out.copy_(y.permute(0, 2, 3, 4, 1))
+
+
+def avg_down_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, factor_s: int) -> None:
+    """out += AvgDown3D(x): the encoder's parameter-free down-block shortcut (the mirror of `dup_up_add`).
+
+    x [N, T, H, W, Ci] (the down block's input); out [N, ceil(T / factor_t), H / factor_s, W / factor_s, Co]. A pass
+    whose frame count is not a multiple of factor_t gets zero frames in front (the first frame alone: its average
+    with a zero frame). Channel ((c * factor_t + a) * factor_s + dy) * factor_s + dx of the folded input is frame
+    t * factor_t + a, row h * factor_s + dy, column w * factor_s + dx of channel c; output channel o is the mean of
+    folded channels [o * g, (o + 1) * g), g = Ci * factor_t * factor_s^2 / Co (in fp32, added with one rounding).
+    """
+    n, t, h, width, ci = x.shape
+    co = out.shape[-1]
+    pad = -t % factor_t
+    if pad:
+        x = torch.cat([x.new_zeros((n, pad, h, width, ci)), x], dim=1)
+    t_out, h_out, w_out = (t + pad) // factor_t, h // factor_s, width // factor_s
+    folded = x.view(n, t_out, factor_t, h_out, factor_s, w_out, factor_s, ci).permute(0, 1, 3, 5, 7, 2, 4, 6)
+    out.add_(folded.reshape(n, t_out, h_out, w_out, co, -1).float().mean(dim=-1))
+
+
+def patchify_into(video: torch.Tensor, dest: torch.Tensor, patch_size: int) -> None:
+    """The encoder's first step (the mirror of `unpatchify_clamp`): pixels folded into patch channels.
+
+    video [N, 3, F, p * H, p * W] (any strides, any float dtype); dest [N, F, H, W, 3 * p * p] (channel
+    c * p * p + dx * p + dy, diffusers' order), in dest's dtype.
+    """
+    n, c, f, hp, wp = video.shape
+    p = patch_size
+    y = video.reshape(n, c, f, hp // p, p, wp // p, p).permute(0, 2, 3, 5, 1, 6, 4)
+    dest.copy_(y.reshape(n, f, hp // p, wp // p, c * p * p))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------------------------------
@@ -378,6 +431,9 @@ class Ops:
     attention: Callable[..., None]
     dup_up_add: Callable[..., None]
     unpatchify_clamp: Callable[..., None]
+    conv3d_strided: Callable[..., None] = conv3d_strided  # the encoder's: portable in every table so far
+    avg_down_add: Callable[..., None] = avg_down_add
+    patchify_into: Callable[..., None] = patchify_into
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}), compare=False)
     row_multiple: int = 1
     cpu_compute_layout: bool = False

@@ -19,6 +19,7 @@ import torch
 
 from ..definitions.architecture import WanVAEConfig, video_frames
 from ..distributed.bands import LocalRows
+from .encoder_network import EncodePass, EncodeTile
 from .network import DecodeState, NetworkPass, Tile
 from .ops import Ops
 from ..definitions.precision import own_arithmetic
@@ -151,11 +152,73 @@ def collect(chunks: Iterator[Chunk], video_shape, device: torch.device) -> torch
 progress_bars: contextvars.ContextVar = contextvars.ContextVar("progress_bars", default=None)
 
 
-def _progress(total: int, show: bool):
+def _progress(total: int, show: bool, desc: str = "VAE decode"):
     from tqdm.auto import tqdm  # noqa: PLC0415 - only needed while decoding
 
     factory = progress_bars.get()
     if factory is not None:
         return factory(total) if show and total >= 2 else tqdm(total=total, disable=True)
-    return tqdm(total=total, desc="VAE decode", unit="pass", delay=_PROGRESS_DELAY_S, disable=not show or total < 2,
+    return tqdm(total=total, desc=desc, unit="pass", delay=_PROGRESS_DELAY_S, disable=not show or total < 2,
                 leave=False)
+
+
+class EncodeRunner:
+    """Runs the encoder network (`encoder_network.EncodePass`) over one sample's clip with one op table and one set
+    of prepared weights, in `dtype` activations: pass by pass (the first video frame alone, then 4 per latent frame),
+    untiled or in exact two-phase tiles (docs/design.md, "The encoder")."""
+
+    def __init__(self, ops: Ops, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype,
+                 frames_per_pass: int, reuse_steady: bool, progress: bool = True) -> None:
+        self.ops, self.weights, self.config, self.device, self.dtype = ops, weights, config, device, dtype
+        self.frames_per_pass, self.reuse_steady, self.progress = frames_per_pass, reuse_steady, progress
+
+    def _pass(self, state: DecodeState, first: bool, tile, memos, index: int) -> EncodePass:
+        return EncodePass(self.ops, self.weights, self.config, LocalRows(1), state, first, tile, memos, index)
+
+    def encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None) -> tuple[torch.Tensor, dict]:
+        """video [1, 3, F, H, W] (F = 4T - 3) -> (moments [1, T, h, w, 2z] in the activations' dtype, the passes each
+        stage reused: stage -> pass indices; tiled, those every tile reused)."""
+        _, _, t, height, width = latent_shape
+        passes = latent_passes(t, self.frames_per_pass)
+        moments = torch.empty((1, t, height, width, 2 * self.config.z_dim), dtype=self.dtype, device=self.device)
+        memos = {} if self.reuse_steady else None
+        progress = _progress(len(passes) * (1 if tile_rows is None else 2), self.progress, "VAE encode")
+        if tile_rows is None or tile_rows >= height:
+            state = DecodeState(self.device, self.dtype)
+            for index, (t0, t1) in enumerate(passes):
+                frames = pass_video_frames(t0, t1)
+                step = self._pass(state, t0 == 0, None, memos, index)
+                moments[:, t0:t1] = step.phase2(step.phase1(video[:, :, frames.start:frames.stop]))
+                progress.update(1)
+            progress.close()
+            return moments, _reused([memos])
+        bottom_width = self.config.dims[-2]
+        bottom = torch.empty((1, t, height, width, bottom_width), dtype=self.dtype, device=self.device)
+        tile_memos = []
+        for start, stop in row_tiles(height, tile_rows):  # phase 1, tile by tile over the whole clip
+            state = DecodeState(self.device, self.dtype)
+            tile_memos.append({} if self.reuse_steady else None)
+            for index, (t0, t1) in enumerate(passes):
+                frames = pass_video_frames(t0, t1)
+                tile = EncodeTile(start, stop, height, video.shape[3] // self.config.patch_size, self.config)
+                a, b = tile.input_rows()
+                p = self.config.patch_size
+                step = self._pass(state, t0 == 0, tile, tile_memos[-1], index)
+                bottom[:, t0:t1, start:stop] = step.phase1(video[:, :, frames.start:frames.stop, p * a:p * b])
+            progress.update(len(passes) / len(row_tiles(height, tile_rows)))
+            del state
+        state = DecodeState(self.device, self.dtype)  # phase 2 on whole frames
+        for index, (t0, t1) in enumerate(passes):
+            moments[:, t0:t1] = self._pass(state, t0 == 0, None, memos, index).phase2(bottom[:, t0:t1])
+            progress.update(1)
+        progress.close()
+        return moments, {**_reused(tile_memos), **_reused([memos])}
+
+
+def _reused(memo_sets) -> dict[str, tuple[int, ...]]:
+    """stage -> the passes at which every one of `memo_sets` (a tile's stage memos each) reused it."""
+    memo_sets = [m for m in memo_sets if m]
+    if not memo_sets:
+        return {}
+    stages = set.intersection(*(set(m) for m in memo_sets))
+    return {stage: tuple(sorted(set.intersection(*(set(m[stage].reused) for m in memo_sets)))) for stage in stages}

@@ -24,11 +24,15 @@ prepacks each conv's weight for oneDNN (`ops.prepack`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import weakref
+from typing import Callable
 
 import torch
 
-from ..definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes, infer_config
+from ..definitions.architecture import (WAN22_CONFIG, WanVAEConfig, expected_encoder_shapes, expected_shapes,
+                                        infer_config, infer_encoder_config)
 from ..definitions.precision import own_arithmetic
 from . import ops
 
@@ -64,13 +68,46 @@ def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return w.permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+def prepare_encoder(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One encoder tensor in the layout the ops take: gammas and biases as `prepare` makes them; every conv weight
+    (3-D, the downsamples' 2-D 3x3 and the attention's 1x1) as [Co, kt, kh, kw, Ci] in `dtype`, the activations'
+    (fp32 for the encoder's fp32 precision, bf16 for its bf16 one). Always a new tensor."""
+    if name.endswith((".gamma", ".bias")):
+        return prepare(name, tensor)
+    w = tensor if tensor.dim() == 5 else tensor.unsqueeze(2)
+    return w.permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPart:
+    """Which half of a Wan VAE a set of prepared weights serves, and how its tensors are read and prepared."""
+
+    prefixes: tuple[str, ...]  # the submodules whose weights it reads
+    anchor: str  # a layer whose weight tells where the module is
+    infer: Callable[[dict], object]  # state dict -> architecture (ValueError naming a bad tensor)
+    names: Callable[[object], list[str]]  # architecture -> every tensor it reads, in execution order
+    prepare: Callable[[str, torch.Tensor], torch.Tensor]
+
+
+DECODER = WeightPart(("decoder.", "post_quant_conv"), "post_quant_conv", infer_config, lambda c: weight_names(c),
+                     prepare)
+
+
+def encoder_part(dtype: torch.dtype) -> WeightPart:
+    """The encoder's weights, prepared in `dtype` (`prepare_encoder`)."""
+    return WeightPart(("encoder.", "quant_conv"), "quant_conv", infer_encoder_config,
+                      lambda c: list(expected_encoder_shapes(c)), functools.partial(prepare_encoder, dtype=dtype))
+
+
 CPU_CHANNELS_FIRST_MIN = 512
 
 
 def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
-    """A prepared tensor as the CPU conv computes with it (see the module docstring): where the CPU computes in fp32,
-    bf16 -> fp32 holding the same values and wide 3x3 conv weights re-laid channels first; else as prepared."""
-    if prepared.dtype != torch.bfloat16 or ops.compute_dtype(prepared.device) == torch.bfloat16:
+    """A prepared tensor as the CPU conv computes with it (see the module docstring): where the CPU computes in fp32
+    (bf16 weights on a CPU without AMX-BF16; the encoder's fp32 weights on any), fp32 holding the same values and
+    wide 3x3 conv weights re-laid channels first; else as prepared."""
+    if prepared.dtype not in (torch.bfloat16, torch.float32) or (
+            prepared.dtype == torch.bfloat16 and ops.compute_dtype(prepared.device) == torch.bfloat16):
         return prepared
     wide = min(prepared.shape[0], prepared.shape[-1]) >= CPU_CHANNELS_FIRST_MIN
     if prepared.dim() == 5 and prepared.shape[2] == 3 and wide:
@@ -78,29 +115,26 @@ def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
     return prepared.float()
 
 
-def state_dict_of(vae_or_state_dict) -> dict[str, torch.Tensor]:
+def state_dict_of(vae_or_state_dict, part: WeightPart = DECODER) -> dict[str, torch.Tensor]:
     """A state dict from diffusers' `AutoencoderKLWan` (any module with `state_dict()`: `module_state_dict`) or a
     dict as is."""
     if isinstance(vae_or_state_dict, dict):
         return vae_or_state_dict
     if isinstance(vae_or_state_dict, torch.nn.Module):
-        return module_state_dict(vae_or_state_dict)
+        return module_state_dict(vae_or_state_dict, part)
     if callable(getattr(vae_or_state_dict, "state_dict", None)):
         return vae_or_state_dict.state_dict()
     raise ValueError("expected an AutoencoderKLWan (or any module with state_dict()) or a state dict; "
                      f"got {type(vae_or_state_dict).__name__}")
 
 
-_DECODER_PREFIXES = ("decoder.", "post_quant_conv")  # the submodules whose weights the decoder reads
-
-
-def module_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights `module` decodes with, under their plain names: a layer wrapped by PEFT's LoRA
+def module_state_dict(module: torch.nn.Module, part: WeightPart = DECODER) -> dict[str, torch.Tensor]:
+    """The weights `module` decodes (encodes) with, under their plain names: a layer wrapped by PEFT's LoRA
     (`x.base_layer`, `x.lora_A`, ...) reads as its base layer, whose weights hold the adapters once they are merged
-    (PEFT's `merge`, diffusers' `fuse_lora`); a decoder layer whose adapters are active but not merged is a
+    (PEFT's `merge`, diffusers' `fuse_lora`); a layer of `part` whose adapters are active but not merged is a
     ValueError (its weights are not what it computes with)."""
     for name, layer in module.named_modules():
-        if hasattr(layer, "base_layer") and hasattr(layer, "merged") and name.startswith(_DECODER_PREFIXES):
+        if hasattr(layer, "base_layer") and hasattr(layer, "merged") and name.startswith(part.prefixes):
             if bool(layer.merged) == bool(getattr(layer, "disable_adapters", False)):
                 state = "merged but disabled" if layer.merged else "active but not merged"
                 raise ValueError(f"{name} has LoRA adapters that are {state} (PEFT): the fast decoder reads a layer's "
@@ -110,18 +144,18 @@ def module_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if not any(part.startswith("lora_") for part in key.split("."))}
 
 
-def _checked(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    """The config and the decoder's tensors of `sd`, in execution order: every tensor present, with its shape
-    (`infer_config` names any missing or misshapen one), finite."""
-    config, tensors = _named(sd)
+def _checked(sd: dict[str, torch.Tensor], part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """The config and the tensors of `sd` that `part` reads, in execution order: every tensor present, with its shape
+    (`part.infer` names any missing or misshapen one), finite."""
+    config, tensors = _named(sd, part)
     for name, tensor in tensors.items():
         _check_values(name, tensor)
     return config, tensors
 
 
-def _named(sd: dict[str, torch.Tensor]) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    config = infer_config(sd)
-    return config, {name: sd[name].detach() for name in weight_names(config)}
+def _named(sd: dict[str, torch.Tensor], part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    config = part.infer(sd)
+    return config, {name: sd[name].detach() for name in part.names(config)}
 
 
 def _check_values(name: str, tensor: torch.Tensor) -> None:
@@ -132,15 +166,16 @@ def _check_values(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"state_dict[{name!r}] has non-finite values")
 
 
-def checked(vae_or_state_dict) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
-    """The architecture and the decoder's weights, validated (ValueError naming the first problem)."""
-    return _checked(state_dict_of(vae_or_state_dict))
+def checked(vae_or_state_dict, part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """The architecture and the weights `part` reads, validated (ValueError naming the first problem)."""
+    return _checked(state_dict_of(vae_or_state_dict, part), part)
 
 
-def _prepared_on(name: str, tensor: torch.Tensor, device: torch.device, cpu_compute_layout: bool) -> torch.Tensor:
-    """`prepare` on `device`, and on a CPU in its compute layout (`to_compute_layout`) unless the op table takes the
-    weights as prepared. Call inside `own_arithmetic(device)`."""
-    prepared = prepare(name, tensor.to(device))
+def _prepared_on(name: str, tensor: torch.Tensor, device: torch.device, cpu_compute_layout: bool,
+                 part: WeightPart = DECODER) -> torch.Tensor:
+    """`part.prepare` on `device`, and on a CPU in its compute layout (`to_compute_layout`) unless the op table takes
+    the weights as prepared. Call inside `own_arithmetic(device)`."""
+    prepared = part.prepare(name, tensor.to(device))
     return to_compute_layout(prepared) if device.type == "cpu" and cpu_compute_layout else prepared
 
 
@@ -158,14 +193,15 @@ def _preparing(device: torch.device):
         yield
 
 
-def load(vae_or_state_dict, device: torch.device,
-         cpu_compute_layout: bool = True) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+def load(vae_or_state_dict, device: torch.device, cpu_compute_layout: bool = True,
+         part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
     """Validate the weights (or take `checked`'s result) and prepare them on `device` (on a CPU in its compute
     layout, `to_compute_layout`, and the convs' weights prepacked, `ops.prepack`, unless the op table takes them as
     prepared: `Ops.cpu_compute_layout`)."""
-    config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else checked(vae_or_state_dict)
+    config, tensors = vae_or_state_dict if isinstance(vae_or_state_dict, tuple) else \
+        checked(vae_or_state_dict, part)
     with _preparing(device):
-        prepared = {name: _prepared_on(name, t, device, cpu_compute_layout) for name, t in tensors.items()}
+        prepared = {name: _prepared_on(name, t, device, cpu_compute_layout, part) for name, t in tensors.items()}
         for name, t in prepared.items():
             _prepack(name, t, device, cpu_compute_layout)
         return config, prepared
@@ -188,11 +224,11 @@ class DecoderWeights:
     """
 
     def __init__(self, vae_or_state_dict, checked_weights: tuple[WanVAEConfig, dict[str, torch.Tensor]],
-                 device: torch.device, cpu_compute_layout: bool) -> None:
+                 device: torch.device, cpu_compute_layout: bool, part: WeightPart = DECODER) -> None:
         module = None if isinstance(vae_or_state_dict, dict) else vae_or_state_dict
         self._module = None if module is None else weakref.ref(module)
-        self.device, self._cpu_compute_layout = device, cpu_compute_layout
-        self.config, self.tensors = load(checked_weights, device, cpu_compute_layout)
+        self.device, self._cpu_compute_layout, self.part = device, cpu_compute_layout, part
+        self.config, self.tensors = load(checked_weights, device, cpu_compute_layout, part)
 
     @property
     def follows_module(self) -> bool:
@@ -204,7 +240,7 @@ class DecoderWeights:
         if module is None:
             return None
         # Read from the layer itself (or PEFT's base layer), not a state dict: it runs in `.to()`, after every move.
-        layer = module.post_quant_conv
+        layer = getattr(module, self.part.anchor)
         return getattr(layer, "base_layer", layer).weight.device
 
     def release(self) -> None:
@@ -222,7 +258,7 @@ class DecoderWeights:
             if not self.tensors:
                 raise ValueError("the decoder's weights were released and the module they came from no longer exists")
             return False
-        config, sources = _named(state_dict_of(module))
+        config, sources = _named(state_dict_of(module, self.part), self.part)
         if config != self.config:
             self.config = config
             self.tensors.clear()
@@ -231,7 +267,7 @@ class DecoderWeights:
             for name, source in sources.items():
                 if source.device.type == "meta":
                     _check_values(name, source)  # raises: nothing to prepare from
-                fresh = _prepared_on(name, source, self.device, self._cpu_compute_layout)
+                fresh = _prepared_on(name, source, self.device, self._cpu_compute_layout, self.part)
                 held = self.tensors.get(name)
                 if held is not None and torch.equal(fresh, held):
                     continue

@@ -1,0 +1,212 @@
+"""`WanVAEEncoder`: the fast Wan VAE encoder's public API (docs/design.md, "The encoder").
+
+The same math as `reference.encode` (diffusers' `AutoencoderKLWan.encode`), on the decoder's machinery: the op table,
+the causal histories, the prepared weights that follow the VAE (`weights.DecoderWeights` with the encoder's part),
+the memory planner and its out-of-memory retry plans (`planning.memory`). This module validates input, chooses the
+precision and the plan, and retries an encode that ran out of memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+import weakref
+
+import torch
+
+from . import options as options_mod
+from .decoder import _module_device, _resolve_device
+from .definitions.architecture import check_video, encoded_shape
+from .definitions.precision import own_arithmetic
+from .planning import memory
+from .planning.memory import DecodePlan
+from .portable import weights as weights_mod
+from .portable.ops import TORCH_OPS, Ops, is_out_of_memory
+from .portable.passes import EncodeRunner
+
+logger = logging.getLogger(__name__)
+
+class EncodeOutOfMemoryError(torch.OutOfMemoryError):
+    """An encode ran out of memory at every plan it tried, the smallest included (`plans`: each, in order)."""
+
+    def __init__(self, message: str, plans: tuple[DecodePlan, ...]) -> None:
+        super().__init__(message)
+        self.plans = plans
+
+
+def _vae_dtype(vae_or_state_dict) -> torch.dtype:
+    """The dtype the VAE's encoder holds its weights in (quant_conv's; fp32 where it cannot be read)."""
+    if isinstance(vae_or_state_dict, torch.nn.Module):
+        layer = getattr(vae_or_state_dict, "quant_conv", None)
+        weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
+    else:
+        weight = vae_or_state_dict.get("quant_conv.weight") if isinstance(vae_or_state_dict, dict) else None
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+
+
+def _encoder_ops(backend, device: torch.device) -> Ops:
+    """The encoder's op table: the portable one, or one given. The compiled kernels are verified for the decoder's
+    convs only, so backend="cuda" is refused until their self-check covers the encoder's."""
+    if isinstance(backend, Ops):
+        return backend
+    if backend == "cuda":
+        raise RuntimeError("the compiled CUDA kernels do not serve the encoder yet (their self-check covers the "
+                           "decoder's convs): use backend='auto' or 'torch'")
+    return TORCH_OPS
+
+
+class WanVAEEncoder:
+    """The fast Wan VAE encoder (the Wan2.2 and the Wan2.1 layout).
+
+    `WanVAEEncoder(vae_or_state_dict, device=None, **options)` takes diffusers' (or FastVideo's) `AutoencoderKLWan`
+    or its state dict; the architecture is read from the weights, and `device` defaults to the module's (where its
+    weights are), or "cuda" for a state dict. Made from a module it follows the module's weights, as
+    `WanVAEDecoder` does. The options are defined in `options.ENCODE_OPTIONS`: `frames_per_pass`, `tile_rows` /
+    `max_memory` (exact two-phase tiles), `backend`, `precision`, `reuse_steady`.
+
+    `encode(video)` maps a video [B, 3, F, H, W] in [-1, 1] to the moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s,
+    W / s] (mean, then logvar before diffusers' clamp), in the VAE's dtype: diffusers'
+    `encode(video).latent_dist.parameters`. `encode_dist(video)` wraps them in diffusers' DiagonalGaussianDistribution
+    (or the class given), so that `.mode()`, `.mean` and `.sample(generator)` draw what diffusers' would.
+
+    Every plan gives the same moments bit for bit at a given precision: frames per pass, tiles, batch samples and
+    the steady reuse run the same ops on the same inputs (docs/design.md, "Exact by construction").
+    """
+
+    def __init__(self, vae_or_state_dict, device=None, **options) -> None:
+        opts = self.options = options_mod.check(options, part="encode")
+        self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
+        self.ops = _encoder_ops(opts.backend, self.device)
+        # The VAE itself is held weakly (a diffusers VAE holds its fast encoder: no reference cycle).
+        self._source = weakref.ref(vae_or_state_dict) if isinstance(vae_or_state_dict, torch.nn.Module) else \
+            vae_or_state_dict
+        self.dtype = self._activation_dtype()
+        part = weights_mod.encoder_part(self.dtype)
+        self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights_mod.checked(vae_or_state_dict, part),
+                                                   self.device, self.ops.cpu_compute_layout, part)
+        self.config = self._weights.config
+        self.tile_rows, self.max_memory = opts.tile_rows, None
+        if opts.max_memory is not None:
+            self.max_memory = memory.parse_bytes(opts.max_memory)
+        self._planner = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype)
+        self.last_plan: DecodePlan | None = None
+        self.last_retries: tuple[DecodePlan, ...] = ()
+        # stage ("level0", ..., "head") -> the passes at which the latest encode reused its output (first sample).
+        self.last_reuse: dict[str, tuple[int, ...]] = {}
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._weights.tensors
+
+    def _vae(self):
+        vae = self._source() if isinstance(self._source, weakref.ref) else self._source
+        if vae is None:
+            raise ValueError("the VAE this encoder was made from no longer exists")
+        return vae
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        """The dtype of the VAE's encoder weights: the moments' dtype."""
+        return _vae_dtype(self._vae())
+
+    def _activation_dtype(self) -> torch.dtype:
+        precision = self.options.precision
+        if precision == "bf16" or (precision == "auto" and self.vae_dtype == torch.bfloat16):
+            return torch.bfloat16
+        return torch.float32
+
+    def _sync(self) -> None:
+        """Take any change of the VAE's weights; a VAE cast to another dtype changes the "auto" precision too."""
+        dtype = self._activation_dtype()
+        if dtype != self.dtype:
+            part = weights_mod.encoder_part(dtype)
+            self._weights = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part),
+                                                       self.device, self.ops.cpu_compute_layout, part)
+            self.dtype = dtype
+        else:
+            self._weights.sync()
+        if self._weights.config != self.config or self._planner.dtype != self.dtype:
+            self.config = self._weights.config
+            self._planner = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Input and plan
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _checked(self, video) -> torch.Tensor:
+        check_video(video, self.config)
+        if video.device != self.device:
+            raise ValueError(f"video is on {video.device}; this encoder runs on {self.device}")
+        if not bool(torch.isfinite(video).all()):
+            raise ValueError("video contains NaN or Inf")
+        frames = video.shape[2]
+        kept = 1 + (frames - 1) // 4 * 4
+        if kept != frames:
+            logger.warning("the VAE encodes 1 + 4k frames: frames %d..%d of %d are dropped (as diffusers does)",
+                           kept, frames - 1, frames)
+            video = video[:, :, :kept]
+        return video
+
+    def plan(self, video_shape) -> DecodePlan:
+        """How `encode` encodes a video of `video_shape` now: frames per pass and tile rows (`memory.choose_plan`,
+        in latent frames and rows)."""
+        latent = encoded_shape(self.config, tuple(video_shape))
+        return memory.choose_plan(self._planner, latent, self.options.frames_per_pass, self.tile_rows, False,
+                                  self.max_memory)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # Encoding
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """video [B, 3, F, H, W] in [-1, 1] -> moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s, W / s] in the VAE's
+        dtype (see the class). Out of memory: encoded again from the start at a smaller plan (the same moments);
+        `EncodeOutOfMemoryError` when the smallest plan fails too."""
+        self._sync()
+        video = self._checked(video)
+        latent = encoded_shape(self.config, video.shape)
+        plan = self.plan(video.shape)
+        tried: list[DecodePlan] = []
+        while True:
+            self.last_plan = plan
+            try:
+                out = self._run(video, latent, plan)
+                break
+            except BaseException as exc:  # noqa: BLE001 - only running out of memory is retried
+                if not is_out_of_memory(exc):
+                    raise
+                traceback.clear_frames(exc.__traceback__)  # the attempt's tensors live in those frames
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            tried.append(plan)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            smaller = self._planner.retry_plan(latent, plan.frames_per_pass, plan.tile_rows, False, may_tile=True)
+            if smaller is None:
+                self.last_retries = tuple(tried)
+                raise EncodeOutOfMemoryError(
+                    f"the VAE encode of a video {list(video.shape)} ran out of memory at every plan it tried, the "
+                    f"smallest included: {'; '.join(map(str, tried))} ({text})", tuple(tried)) from None
+            logger.warning("VAE encode ran out of memory at %s; encoding again from the start at %s, the same "
+                           "latents (%s)", plan, smaller, text)
+            plan = smaller
+        self.last_retries = tuple(tried)
+        return out
+
+    def _run(self, video: torch.Tensor, latent, plan: DecodePlan) -> torch.Tensor:
+        runner = EncodeRunner(self.ops, self.weights, self.config, self.device, self.dtype, plan.frames_per_pass,
+                              self.options.reuse_steady)
+        out = torch.empty(latent, dtype=self.vae_dtype, device=self.device)
+        tf32 = self.options.precision == "auto" and self.dtype == torch.float32
+        with own_arithmetic(self.device, tf32_as_caller=tf32):
+            for b in range(video.shape[0]):
+                moments, reused = runner.encode(video[b:b + 1], (1, *latent[1:]), plan.tile_rows)
+                out[b:b + 1].copy_(moments.permute(0, 4, 1, 2, 3))
+                if b == 0:
+                    self.last_reuse = reused
+                del moments
+        return out
+
+    def encode_dist(self, video: torch.Tensor, distribution):
+        """`encode(video)` wrapped in `distribution`, a class taking the moments: diffusers' or FastVideo's
+        `DiagonalGaussianDistribution` (`fastvideo_pan2_ext.diffusers_encode` passes diffusers')."""
+        return distribution(self.encode(video))
