@@ -298,6 +298,8 @@ class MemoryPlanner:
         self._peaks: dict[tuple, int] = {}
         self._plans: dict[tuple, int | None] = {}
 
+    what = "decode latents"  # what a plan is for, in messages
+
     def output_bytes(self, latents_shape) -> int:
         """What a decode returns: the bf16 video."""
         return 2 * math.prod(video_shape(self.config, latents_shape))
@@ -429,7 +431,7 @@ class MemoryPlanner:
             return self._largest_streamed_tile(shape, fpp, budget)
         smallest = int(self.peak_bytes(shape, fpp, 1) * PEAK_HEADROOM)
         if smallest > budget:
-            raise _too_small(budget, shape, smallest, "even in one-row tiles")
+            raise _too_small(budget, shape, smallest, "even in one-row tiles", self.what)
         lo, hi = 1, height - 1  # the largest tile that fits (tile by tile, peak grows with the tile)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -450,7 +452,7 @@ class MemoryPlanner:
             if peak <= budget:
                 return rows
             peaks.append(peak)
-        raise _too_small(budget, shape, min(peaks), "streamed (decode_iter) in any tile size")
+        raise _too_small(budget, shape, min(peaks), "streamed (decode_iter) in any tile size", self.what)
 
 
 class EncoderPlanner(MemoryPlanner):
@@ -461,6 +463,8 @@ class EncoderPlanner(MemoryPlanner):
     def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(weights, config, device)
         self.dtype = dtype
+
+    what = "encode a video into moments"
 
     def output_bytes(self, latents_shape) -> int:
         return math.prod(latents_shape) * 4  # the moments, in the VAE's dtype (fp32 at most)
@@ -483,6 +487,6 @@ class EncoderPlanner(MemoryPlanner):
         return tracker.peak + (t - short) * per_frame
 
 
-def _too_small(budget: int, shape, needed: int, how: str) -> ValueError:
-    return ValueError(f"max_memory {format_bytes(budget)} ({budget} bytes) is too small to decode latents "
+def _too_small(budget: int, shape, needed: int, how: str, what: str = "decode latents") -> ValueError:
+    return ValueError(f"max_memory {format_bytes(budget)} ({budget} bytes) is too small to {what} "
                       f"{list(shape)} {how}: that needs at least {format_bytes(needed)} ({needed} bytes)")

@@ -274,7 +274,7 @@ def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu:
         for x_part, out_part in zip(x.split(1, dim=1), out.split(1, dim=1)):
             rms_norm_silu(x_part, gamma, out_part, silu)
         return
-    xf = x.float()
+    xf = x.to(torch.float32, copy=True)  # a copy for fp32 x too (the encoder's fp32): it is scaled in place
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min_(RMS_EPS)
     y = xf.div_(norm).mul_(gamma)
     out.copy_(F.silu(y, inplace=True) if silu else y)

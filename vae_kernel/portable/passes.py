@@ -182,8 +182,9 @@ class EncodeRunner:
         passes = latent_passes(t, self.frames_per_pass)
         moments = torch.empty((1, t, height, width, 2 * self.config.z_dim), dtype=self.dtype, device=self.device)
         memos = {} if self.reuse_steady else None
-        progress = _progress(len(passes) * (1 if tile_rows is None else 2), self.progress, "VAE encode")
-        if tile_rows is None or tile_rows >= height:
+        tiles = [] if tile_rows is None or tile_rows >= height else row_tiles(height, tile_rows)
+        progress = _progress(len(passes) * (len(tiles) + 1), self.progress, "VAE encode")
+        if not tiles:
             state = DecodeState(self.device, self.dtype)
             for index, (t0, t1) in enumerate(passes):
                 frames = pass_video_frames(t0, t1)
@@ -195,7 +196,7 @@ class EncodeRunner:
         bottom_width = self.config.dims[-2]
         bottom = torch.empty((1, t, height, width, bottom_width), dtype=self.dtype, device=self.device)
         tile_memos = []
-        for start, stop in row_tiles(height, tile_rows):  # phase 1, tile by tile over the whole clip
+        for start, stop in tiles:  # phase 1, tile by tile over the whole clip
             state = DecodeState(self.device, self.dtype)
             tile_memos.append({} if self.reuse_steady else None)
             for index, (t0, t1) in enumerate(passes):
@@ -205,7 +206,7 @@ class EncodeRunner:
                 p = self.config.patch_size
                 step = self._pass(state, t0 == 0, tile, tile_memos[-1], index)
                 bottom[:, t0:t1, start:stop] = step.phase1(video[:, :, frames.start:frames.stop, p * a:p * b])
-            progress.update(len(passes) / len(row_tiles(height, tile_rows)))
+                progress.update(1)
             del state
         state = DecodeState(self.device, self.dtype)  # phase 2 on whole frames
         for index, (t0, t1) in enumerate(passes):
