@@ -88,7 +88,7 @@ class WanVAEEncoder:
         self.tile_rows, self.max_memory = opts.tile_rows, None
         if opts.max_memory is not None:
             self.max_memory = memory.parse_bytes(opts.max_memory)
-        self._planner = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype)
+        self._planners: dict[tuple[int, int], memory.EncoderPlanner] = {}
         self.last_plan: DecodePlan | None = None
         self.last_retries: tuple[DecodePlan, ...] = ()
         # stage ("level0", ..., "head") -> the passes at which the latest encode reused its output (first sample).
@@ -125,9 +125,18 @@ class WanVAEEncoder:
             self.dtype = dtype
         else:
             self._weights.sync()
-        if self._weights.config != self.config or self._planner.dtype != self.dtype:
+        if self._weights.config != self.config or any(p.dtype != self.dtype for p in self._planners.values()):
             self.config = self._weights.config
-            self._planner = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype)
+            self._planners.clear()
+
+    def _planner(self, video_shape) -> memory.EncoderPlanner:
+        """The planner for videos of this size (one per remainder of rows and columns past whole latent pixels)."""
+        s = self.config.spatial_scale
+        remainder = (video_shape[3] % s, video_shape[4] % s)
+        if remainder not in self._planners:
+            self._planners[remainder] = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype,
+                                                              remainder)
+        return self._planners[remainder]
 
     # ---------------------------------------------------------------------------------------------------------------
     # Input and plan
@@ -151,8 +160,8 @@ class WanVAEEncoder:
         """How `encode` encodes a video of `video_shape` now: frames per pass and tile rows (`memory.choose_plan`,
         in latent frames and rows)."""
         latent = encoded_shape(self.config, tuple(video_shape))
-        return memory.choose_plan(self._planner, latent, self.options.frames_per_pass, self.tile_rows, False,
-                                  self.max_memory)
+        return memory.choose_plan(self._planner(video_shape), latent, self.options.frames_per_pass, self.tile_rows,
+                                  False, self.max_memory)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Encoding
@@ -180,7 +189,8 @@ class WanVAEEncoder:
             tried.append(plan)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            smaller = self._planner.retry_plan(latent, plan.frames_per_pass, plan.tile_rows, False, may_tile=True)
+            smaller = self._planner(video.shape).retry_plan(latent, plan.frames_per_pass, plan.tile_rows, False,
+                                                            may_tile=True)
             if smaller is None:
                 self.last_retries = tuple(tried)
                 raise EncodeOutOfMemoryError(

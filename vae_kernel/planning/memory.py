@@ -460,9 +460,11 @@ class EncoderPlanner(MemoryPlanner):
     [B, 2 z_dim, T, h, w]), its replay the encoder's passes (`passes.EncodeRunner` on the meta device, `dtype`
     activations). The encoder has no streamed form."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype,
+                 remainder: tuple[int, int] = (0, 0)) -> None:
         super().__init__(weights, config, device)
         self.dtype = dtype
+        self.remainder = remainder  # the video's rows and columns past whole latent pixels (Wan2.1: H = 8h + r)
 
     what = "encode a video into moments"
 
@@ -475,7 +477,8 @@ class EncoderPlanner(MemoryPlanner):
         # The first frame, a pass whose history is that frame, then one with the full history: later passes repeat it.
         short = latent_passes(t, frames_per_pass)[:3][-1][1]
         meta = torch.device("meta")
-        video = torch.empty((1, 3, 4 * short - 3, s * height, s * width), device=meta)
+        video = torch.empty((1, 3, 4 * short - 3, s * height + self.remainder[0], s * width + self.remainder[1]),
+                            device=meta)
         runner = EncodeRunner(dry_ops(self.device), self._meta_weights, self.config, meta, self.dtype,
                               frames_per_pass, reuse_steady=False, progress=False)
         with LiveBytes() as tracker:

@@ -1,0 +1,301 @@
+"""`WanVAEEncoder` against diffusers' own encode, and its plans against each other.
+
+The fast encoder is another code path than diffusers' (other kernels, another operand layout), so it is judged by a
+bound (fp32: rounding; bf16: the allowance against diffusers' bf16 encode), mean and logvar separately. Its plans
+(frames per pass, two-phase tiles, batch samples, the steady reuse) run the same ops on the same inputs and are
+compared bit for bit, at one thread (`_threads.torch_threads`: oneDNN may block a sum differently at another thread
+count and other extents).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from _threads import torch_threads
+from _vae_helpers import make_wan21_vae, make_wan22_vae
+from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
+from fastvideo_pan2_ext.vae_kernel.encoder import EncodeOutOfMemoryError, WanVAEEncoder
+from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes
+from fastvideo_pan2_ext.vae_kernel.portable import encoder_network, passes
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
+
+LAYOUTS = {  # (a seeded narrow VAE, a video size it takes: Wan2.1 odd on purpose, Wan2.2 a multiple of 16)
+    "wan21": (lambda: make_wan21_vae(seed=3, base_dim=8, z_dim=16), (45, 59)),
+    "wan22": (lambda: make_wan22_vae(seed=3, base_dim=8, z_dim=48), (64, 80)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request):
+    make, size = LAYOUTS[request.param]
+    return request.param, make(), size
+
+
+def _video(size, frames: int = 9, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((batch, 3, frames, *size), generator=g) * 2 - 1
+
+
+def _diffusers(vae, video, dtype=torch.float32) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.to(dtype).encode(video.to(dtype)).latent_dist.parameters.float()
+
+
+def _halves(moments: torch.Tensor):
+    return moments.chunk(2, dim=1)
+
+
+def test_fp32_encode_is_diffusers_fp32_encode_to_rounding(layout):
+    _, vae, size = layout
+    video = _video(size, batch=2)
+    ours = WanVAEEncoder(vae).encode(video)
+    theirs = _diffusers(vae, video)
+    assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+    for name, a, b in zip(("mean", "logvar"), _halves(ours), _halves(theirs)):
+        # fp32 products summed in another order: a few ulps of the largest partial sums, nowhere near bf16's 2^-8
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-5 * max(scale, 1.0), name
+
+
+def test_bf16_encode_is_within_the_allowance_of_diffusers_bf16_encode(layout):
+    _, vae, size = layout
+    video = _video(size)
+    reference = _diffusers(vae, video)
+    baseline = _diffusers(vae, video, torch.bfloat16)
+    vae.to(torch.float32)
+    ours = WanVAEEncoder(vae, precision="bf16").encode(video)
+    assert ours.dtype == torch.float32  # the moments in the VAE's dtype, computed in bf16
+    for name, a, r, b in zip(("mean", "logvar"), _halves(ours), _halves(reference), _halves(baseline)):
+        report = compare_to_reference(name, a, r, b)
+        assert report.ok, str(report)
+
+
+def test_a_bf16_vae_encodes_in_bf16_by_default(layout):
+    _, vae, size = layout
+    video = _video(size, frames=5)
+    try:
+        vae.to(torch.bfloat16)
+        encoder = WanVAEEncoder(vae)
+        ours = encoder.encode(video.to(torch.bfloat16))
+        assert encoder.dtype == torch.bfloat16 and ours.dtype == torch.bfloat16
+    finally:
+        vae.to(torch.float32)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_plan_gives_the_same_moments_bit_for_bit(layout, precision):
+    _, vae, size = layout
+    video = _video(size, frames=13, batch=2)
+    with torch_threads(1):
+        base = WanVAEEncoder(vae, precision=precision, frames_per_pass=1, reuse_steady=False).encode(video)
+        height = base.shape[3]
+        plans = [dict(frames_per_pass=f) for f in (2, 3, 4, 8, "auto")]
+        plans += [dict(frames_per_pass=1, tile_rows=r) for r in (1, 2, height - 1)]
+        plans += [dict(frames_per_pass=2, tile_rows=2)]
+        for plan in plans:
+            got = WanVAEEncoder(vae, precision=precision, **plan).encode(video)
+            assert torch.equal(got, base), plan
+        samples = [WanVAEEncoder(vae, precision=precision).encode(video[b:b + 1]) for b in range(2)]
+        assert torch.equal(torch.cat(samples), base)
+
+
+def _image_to_video(size, frames: int = 29) -> torch.Tensor:
+    """Image-to-video's conditioning input: an image, then zero frames."""
+    video = torch.zeros((1, 3, frames, *size))
+    video[:, :, :1] = _video(size, frames=1)
+    return video
+
+
+def test_steady_reuse_is_exact_and_recorded_level_by_level(layout):
+    _, vae, size = layout
+    video = _image_to_video(size)
+    with torch_threads(1):
+        reusing = WanVAEEncoder(vae, frames_per_pass=1)
+        on = reusing.encode(video)
+        off = WanVAEEncoder(vae, frames_per_pass=1, reuse_steady=False).encode(video)
+        tiled = WanVAEEncoder(vae, frames_per_pass=1, tile_rows=2)
+        on_tiled = tiled.encode(video)
+    assert torch.equal(on, off) and torch.equal(on_tiled, off)
+    reused = reusing.last_reuse
+    # Each level settles after the image has left its causal window, deeper levels later (pass indices from 0: the
+    # first frame is pass 0); the head keeps reading the image through the levels' histories here.
+    assert reused["level0"] == tuple(range(5, 8)) and reused["level1"] == (7,)
+    assert reused["level2"] == () and reused["head"] == ()
+    assert tiled.last_reuse["level0"] == reused["level0"]
+
+
+def test_a_late_frame_stops_the_reuse_and_a_moving_video_never_reuses(layout):
+    _, vae, size = layout
+    video = _image_to_video(size)
+    video[:, :, 21] = 0.5  # pass 6's frames (17..20 are pass 5's)
+    with torch_threads(1):
+        encoder = WanVAEEncoder(vae, frames_per_pass=1)
+        on = encoder.encode(video)
+        off = WanVAEEncoder(vae, frames_per_pass=1, reuse_steady=False).encode(video)
+        assert torch.equal(on, off)
+        assert encoder.last_reuse["level0"] == (5,)
+        encoder.encode(_video(size, frames=21))
+        assert all(passes == () for passes in encoder.last_reuse.values())
+        zeros = torch.zeros((1, 3, 21, *size))  # VACE's all-zero video: every level settles
+        assert torch.equal(encoder.encode(zeros), WanVAEEncoder(vae, reuse_steady=False).encode(zeros))
+        assert encoder.last_reuse["level0"]
+
+
+def test_the_tile_margins_are_the_tightest_that_hold(layout, monkeypatch):
+    """One latent row less of margin above or below an inner tile changes its moments; the margins as they are do
+    not (the test above). Injected from here: a tile whose conv_in margin is 8 patchified rows (a latent row)
+    shorter."""
+    _, vae, size = layout
+    video = _video(size, frames=5)
+    with torch_threads(1):
+        base = WanVAEEncoder(vae, frames_per_pass=1).encode(video)
+    for side in (0, 1):
+        class Short(encoder_network.EncodeTile):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                margins = list(self.margins)
+                edge = list(margins[-1])
+                edge[side] -= self.scale
+                margins[-1] = tuple(edge)
+                self.margins = margins
+
+        monkeypatch.setattr(passes, "EncodeTile", Short)
+        with torch_threads(1):
+            short = WanVAEEncoder(vae, frames_per_pass=1, tile_rows=1).encode(video)
+        assert not torch.equal(short, base), f"side {side}"
+        assert torch.isfinite(short).all()
+
+
+def test_a_tile_encoded_whole_is_not_exact_which_is_why_tiles_have_two_phases(layout):
+    """Its attention sees only the tile: however wide its margins, its rows differ from the whole frame's."""
+    name, vae, size = layout
+    video = _video(size, frames=5)
+    encoder = WanVAEEncoder(vae, frames_per_pass=1)
+    whole = encoder.encode(video)
+    s = encoder.config.spatial_scale
+    crop = encoder.encode(video[..., : s * (whole.shape[3] - 1), :])  # the frame without its last latent row
+    rows = crop.shape[3]
+    assert (crop - whole[..., :rows, :]).abs().max().item() > 1e-4
+
+
+def test_frames_past_4k_plus_1_are_dropped_with_a_warning(layout, caplog):
+    _, vae, size = layout
+    video = _video(size, frames=8)
+    encoder = WanVAEEncoder(vae)
+    with caplog.at_level(logging.WARNING):
+        got = encoder.encode(video)
+    assert "frames 5..7 of 8 are dropped" in caplog.text
+    assert got.shape[2] == 2
+    assert torch.equal(got, encoder.encode(video[:, :, :5]))
+
+
+def test_the_planner_replays_the_encode_it_plans(layout):
+    """The replayed peak (the meta device, dry ops) against the storages the real encode allocates."""
+    _, vae, size = layout
+    video = _video(size, frames=13)
+    for plan in (dict(frames_per_pass=1), dict(frames_per_pass=4), dict(frames_per_pass=1, tile_rows=2)):
+        encoder = WanVAEEncoder(vae, reuse_steady=False, **plan)
+        moments_shape = (1, 2 * encoder.config.z_dim, 4, *(n // encoder.config.spatial_scale for n in size))
+        planned = encoder._planner(video.shape).peak_bytes(moments_shape, plan["frames_per_pass"],
+                                                           plan.get("tile_rows"))
+        with LiveBytes() as tracker:
+            out = encoder.encode(video)
+            del out
+        assert abs(planned - tracker.peak) <= 0.02 * tracker.peak, plan
+
+
+TALL = {"wan21": (197, 24), "wan22": (384, 32)}  # frames whose tiles hold fewer rows than the frame (margins: 9 rows)
+
+
+def test_a_budget_picks_tiles_and_an_out_of_memory_encode_retries_smaller(layout, monkeypatch):
+    name, vae, _ = layout
+    video = _video(TALL[name], frames=9)
+    with torch_threads(1):
+        base = WanVAEEncoder(vae, frames_per_pass=1).encode(video)
+        encoder = WanVAEEncoder(vae, frames_per_pass=1)
+        untiled = encoder._planner(video.shape).peak_bytes((1, *base.shape[1:]), 1, None)
+        budgeted = WanVAEEncoder(vae, frames_per_pass=1, max_memory=int(untiled * 1.05))
+        assert budgeted.plan(video.shape).tile_rows is not None
+        assert torch.equal(budgeted.encode(video), base)
+
+        calls = {"n": 0}
+
+        def conv3d_out_of_memory_once(x, w, b, out, residual=None):
+            calls["n"] += 1
+            if calls["n"] == 40:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            TORCH_OPS.conv3d(x, w, b, out, residual)
+
+        failing = dataclasses.replace(TORCH_OPS, conv3d=conv3d_out_of_memory_once)
+        retrying = WanVAEEncoder(vae, frames_per_pass=2, backend=failing)
+        assert torch.equal(retrying.encode(video), base)
+        assert [p.frames_per_pass for p in retrying.last_retries] == [2]
+        assert retrying.last_plan.frames_per_pass == 1
+
+        def always_out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("injected: out of memory")
+
+        never = WanVAEEncoder(vae, frames_per_pass=1, backend=dataclasses.replace(TORCH_OPS, conv3d=always_out_of_memory))
+        with pytest.raises(EncodeOutOfMemoryError, match="at every plan it tried"):
+            never.encode(video)
+
+
+def test_the_encoder_follows_the_vaes_weights(layout):
+    _, vae, size = layout
+    video = _video(size, frames=5)
+    encoder = WanVAEEncoder(vae)
+    before = encoder.encode(video)
+    saved = vae.encoder.conv_in.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            vae.encoder.conv_in.weight.data.mul_(1.5)  # a write no version counter records
+        after = encoder.encode(video)
+        assert not torch.equal(after, before)
+        theirs = _diffusers(vae, video)
+        assert (after - theirs).abs().max().item() <= 2e-5 * max(theirs.abs().max().item(), 1.0)
+    finally:
+        with torch.no_grad():
+            vae.encoder.conv_in.weight.copy_(saved)
+
+
+@pytest.mark.parametrize("video, message", [
+    ("not a tensor", "must be a torch.Tensor"),
+    (torch.zeros(1, 3, 5, 64), "[B, 3, F, H, W]"),
+    (torch.zeros(1, 4, 5, 64, 64), "[B, 3, F, H, W]"),
+    (torch.zeros(1, 3, 5, 64, 64, dtype=torch.int64), "floating"),
+    (torch.full((1, 3, 5, 64, 64), float("nan")), "NaN"),
+])
+def test_bad_videos_are_one_line_value_errors(layout, video, message):
+    _, vae, _ = layout
+    with pytest.raises(ValueError, match=None) as caught:
+        WanVAEEncoder(vae).encode(video)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_wan22_sizes_must_be_multiples_of_16():
+    vae = LAYOUTS["wan22"][0]()
+    with pytest.raises(ValueError, match="16"):
+        WanVAEEncoder(vae).encode(torch.zeros(1, 3, 5, 72, 64))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(precision="fp16"), "precision must be one of"),
+    (dict(reuse_steady="yes"), "reuse_steady must be True or False"),
+    (dict(conv_algorithm="winograd"), "unknown encoder option"),
+    (dict(frames_per_pass=0), "frames_per_pass must be"),
+    (dict(tile_rows=2, max_memory="1GiB"), "not both"),
+])
+def test_bad_options_are_refused_when_the_encoder_is_made(options, message):
+    vae = LAYOUTS["wan21"][0]()
+    with pytest.raises(ValueError, match=message):
+        WanVAEEncoder(vae, **options)
+
+
+def test_the_compiled_backend_is_refused_for_the_encoder_until_it_is_verified():
+    vae = LAYOUTS["wan21"][0]()
+    with pytest.raises(RuntimeError, match="do not serve the encoder"):
+        WanVAEEncoder(vae, device="cpu", backend="cuda")
