@@ -156,7 +156,7 @@ class EncodePass(NetworkPass):
         c = self.config
         if self.tile is not None and i < c.levels - 1:
             x = self.tile.crop_level(x, i)
-        block_input = x
+        block_input = x if c.residual else None  # held for Wan2.2's shortcut only
         for j in range(c.num_res_blocks):
             x = self.residual_block(c.resnet(i, j), x)
         last = i == c.levels - 1
