@@ -1,14 +1,19 @@
-"""The definition of PAN2's results: the reference Wan VAE decoder and the reference first-frame reading.
+"""The definition of PAN2's results: the reference Wan VAE decoder and encoder, and the reference first-frame reading.
 
 `decode` is the plain-PyTorch Wan VAE decoder, in the Wan2.2 layout (PAN2's) and the Wan2.1 layout alike. It
 replays, op for op and in the same order, what diffusers' `AutoencoderKLWan.decode(z).sample` computes, so the two are
 bit-identical (`torch.equal`) for the same weights, in fp32 and in bf16, at the same thread count. It is written for
 reading against the math, not for speed: the fast decoders in `fastvideo_pan2_ext.vae_kernel` are checked against it.
 
+`encode` is the encoder likewise: diffusers' `AutoencoderKLWan.encode(x).latent_dist.parameters` (the moments, mean
+then log-variance, unclamped), bit-identical in fp32 and bf16, both layouts, built from the decoder's own causal
+convs, norms, residual blocks and attention.
+
 `load_first_frame` is Wan2.2's own image-to-video preprocessing of the first frame (docs/design.md, "Definitions").
 
-Besides torch, Pillow and numpy it imports only what defines the decoder's shape and inputs
-(`vae_kernel.architecture`) and what fp32 means (`vae_kernel.precision`): nothing of the fast decoder itself.
+Besides torch, Pillow and numpy it imports only what defines the decoder's and encoder's shapes and inputs
+(`vae_kernel.definitions.architecture`) and what fp32 means (`vae_kernel.definitions.precision`): nothing of the
+fast decoder itself.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, check_latents, decoder_state_dict, infer_config
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WanEncoderConfig, WanVAEConfig, check_latents,
+                                                                  check_video, decoder_state_dict,
+                                                                  encoder_state_dict, infer_config,
+                                                                  infer_encoder_config)
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32
 
 # Frames of history a causal 3x3x3 conv needs (its time kernel is 3, padded 2 before, 0 after).
@@ -192,6 +200,105 @@ def decode(z: torch.Tensor, state_dict: dict[str, torch.Tensor], dtype: torch.dt
         frames = [_decode_frame(p, config, x[:, :, i : i + 1], cache, first_chunk=i == 0) for i in range(x.shape[2])]
     out = torch.cat(frames, dim=2)
     return torch.clamp(_unpatchify(out, config.patch_size), min=-1.0, max=1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The encoder, one small function per diffusers module (the causal convs, norms, resnets and attention are the
+# decoder's)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _patchify(x, patch_size: int) -> torch.Tensor:
+    """[B, 3, F, H, W] -> [B, 3 p p, F, H / p, W / p]: channel c * p * p + dx * p + dy."""
+    if patch_size == 1:
+        return x
+    b, c, f, h, w = x.shape
+    x = x.view(b, c, f, h // patch_size, patch_size, w // patch_size, patch_size)
+    x = x.permute(0, 1, 6, 4, 2, 3, 5).contiguous()
+    return x.view(b, c * patch_size * patch_size, f, h // patch_size, w // patch_size)
+
+
+def _downsample(p, name, x, cache: _CausalCache, temporal: bool) -> torch.Tensor:
+    """/2 in space (a zero row and column after the last, then a 3x3 stride-2 conv, frame by frame), and /2 in time
+    through a (3,1,1) stride-2 conv over [the previous pass's last frame, this pass's frames]."""
+    b, c, t, h, w = x.shape
+    x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    x = F.conv2d(F.pad(x, (0, 1, 0, 1)), p[f"{name}.resample.1.weight"], p[f"{name}.resample.1.bias"], stride=2)
+    x = x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
+    if temporal:
+        time_conv = f"{name}.time_conv"
+        previous = cache.frames.get(time_conv)
+        if previous is None:
+            # The first frame passes through: it alone becomes the first latent frame. It is kept as history.
+            cache.frames[time_conv] = x.clone()
+        else:
+            cache.frames[time_conv] = x[:, :, -1:].clone()
+            x = torch.cat([previous[:, :, -1:], x], 2)
+            x = F.conv3d(x, p[f"{time_conv}.weight"], p[f"{time_conv}.bias"], stride=(2, 1, 1))
+    return x
+
+
+def _avg_down(x, out_channels: int, factor_t: int, factor_s: int) -> torch.Tensor:
+    """The down block's parameter-free shortcut (AvgDown3D): zero frames in front up to a multiple of `factor_t`,
+    each factor_t x factor_s x factor_s neighbourhood folded into channels, then groups of channels averaged."""
+    pad_t = (factor_t - x.shape[2] % factor_t) % factor_t
+    x = F.pad(x, (0, 0, 0, 0, pad_t, 0))
+    b, c, t, h, w = x.shape
+    factor = factor_t * factor_s * factor_s
+    x = x.view(b, c, t // factor_t, factor_t, h // factor_s, factor_s, w // factor_s, factor_s)
+    x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).contiguous()
+    x = x.view(b, c * factor, t // factor_t, h // factor_s, w // factor_s)
+    x = x.view(b, out_channels, c * factor // out_channels, t // factor_t, h // factor_s, w // factor_s)
+    return x.mean(dim=2)
+
+
+def _down_level(p, c: WanEncoderConfig, i: int, x, cache: _CausalCache) -> torch.Tensor:
+    """diffusers' `WanResidualDownBlock` (Wan2.2: + the AvgDown3D shortcut) or its flat run of blocks (Wan2.1)."""
+    down = i != c.levels - 1
+    temporal = down and c.temperal_downsample[i]
+    x_copy = x
+    for j in range(c.num_res_blocks):
+        x = _residual_block(p, c.resnet(i, j), x, cache)
+    if down:
+        x = _downsample(p, c.downsampler(i), x, cache, temporal)
+    if c.residual:
+        x = x + _avg_down(x_copy, c.level_widths(i)[1], 2 if temporal else 1, 2 if down else 1)
+    return x
+
+
+def _encode_chunk(p, c: WanEncoderConfig, x, cache: _CausalCache) -> torch.Tensor:
+    """One pass of the encoder: the first video frame alone, or 4 later ones, to one latent frame of moments."""
+    x = _cached_conv(p, "encoder.conv_in", x, cache)
+    for i in range(c.levels):
+        x = _down_level(p, c, i, x, cache)
+    x = _residual_block(p, "encoder.mid_block.resnets.0", x, cache)
+    x = _attention_block(p, "encoder.mid_block.attentions.0", x)
+    x = _residual_block(p, "encoder.mid_block.resnets.1", x, cache)
+    x = F.silu(_rms_norm(x, p["encoder.norm_out.gamma"]))
+    return _cached_conv(p, "encoder.conv_out", x, cache)
+
+
+@torch.no_grad()
+def encode(x: torch.Tensor, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Encode a video `x` [B, 3, F, H, W] in [-1, 1] into its moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s, W / s]:
+    the mean, then the log-variance, unclamped (s = 16 for Wan2.2, 8 for Wan2.1; Wan2.1 takes any H, W >= 8 and
+    reads the rows past the last whole 8 into the last latent row). Frames past the last whole 4 after the first
+    are not encoded, as in diffusers.
+
+    Bit-identical to `AutoencoderKLWan(...).to(dtype).encode(x.to(dtype)).latent_dist.parameters` for the same
+    weights, the whole batch at once. Runs on `x.device`; the weights are cast to `dtype` and moved there.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in DTYPES]}; got {dtype}")
+    config = infer_encoder_config(state_dict)
+    check_video(x, config)
+    p = {k: v.to(device=x.device, dtype=dtype) for k, v in encoder_state_dict(state_dict).items()}
+    x = _patchify(x.to(dtype).contiguous(), config.patch_size)
+    passes = [x[:, :, :1]] + [x[:, :, 1 + 4 * i : 5 + 4 * i] for i in range((x.shape[2] - 1) // 4)]
+    with exact_fp32():
+        cache = _CausalCache()
+        out = torch.cat([_encode_chunk(p, config, chunk, cache) for chunk in passes], dim=2)
+        return _causal_conv3d(out, p["quant_conv.weight"], p["quant_conv.bias"])
 
 
 # --------------------------------------------------------------------------------------------------------------------

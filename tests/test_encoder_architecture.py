@@ -49,7 +49,8 @@ def test_the_real_encoders_are_read_from_diffusers_real_size_models():
         assert infer_config(state_dict) == decoder  # the decoder's own width, beside the encoder's
         assert expected_encoder_shapes(config) == _encoder_tensors(vae)  # every tensor, every shape, nothing more
         assert set(encoder_state_dict(state_dict)) == set(_encoder_tensors(vae))
-    assert WAN22_ENCODER_CONFIG.dims == [160, 160, 320, 640, 640] and WAN21_ENCODER_CONFIG.dims == [96, 96, 192, 384, 384]
+    assert WAN22_ENCODER_CONFIG.dims == [160, 160, 320, 640, 640]
+    assert WAN21_ENCODER_CONFIG.dims == [96, 96, 192, 384, 384]
     assert (WAN22_ENCODER_CONFIG.spatial_scale, WAN21_ENCODER_CONFIG.spatial_scale) == (16, 8)
     assert WAN22_ENCODER_CONFIG.levels == 4 and WAN22_ENCODER_CONFIG.level_widths(1) == (160, 320)
 

@@ -131,18 +131,31 @@ def _require_present(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return sd[name]
 
 
+def _conv_in(sd: dict[str, torch.Tensor], part: str) -> torch.Tensor:
+    """`{part}.conv_in.weight`, the tensor that says a state dict holds a Wan VAE's decoder (encoder)."""
+    name = f"{part}.conv_in.weight"
+    if name not in sd:
+        raise ValueError(f"state_dict has no {name!r}: not a Wan VAE {part} state dict")
+    if sd[name].dim() != 5:
+        raise ValueError(f"state_dict[{name!r}] must be 5-D; got shape {list(sd[name].shape)}")
+    return sd[name]
+
+
+def _patch_size(channels: int, what: str) -> int:
+    """p for the 3 x p x p channels of a patchified RGB video (`what` names them, a `{}` for the count)."""
+    p = math.isqrt(channels // 3)
+    if p < 1 or p * p * 3 != channels:
+        raise ValueError(what.format(channels) + "; expected 3 x p x p")
+    return p
+
+
 def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
     """Read the decoder's architecture from its weights and check every weight the decoder uses (ValueError naming
     the first missing, misshapen or unexpected tensor). Either layout: Wan2.1's names its upsamplers
     `upsamplers.0`, Wan2.2's `upsampler`.
     """
     sd = decoder_state_dict(state_dict)
-    if "decoder.conv_in.weight" not in sd:
-        raise ValueError("state_dict has no 'decoder.conv_in.weight': not a Wan VAE decoder state dict")
-    conv_in = sd["decoder.conv_in.weight"]
-    if conv_in.dim() != 5:
-        raise ValueError(f"state_dict['decoder.conv_in.weight'] must be 5-D; got shape {list(conv_in.shape)}")
-    top, z_dim = conv_in.shape[0], conv_in.shape[1]
+    top, z_dim = _conv_in(sd, "decoder").shape[:2]
 
     residual = not any(".upsamplers." in k for k in sd)
     levels = sorted({int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks.")})
@@ -167,9 +180,7 @@ def infer_config(state_dict: dict[str, torch.Tensor]) -> WanVAEConfig:
                          "temporal compression needs 2: not a Wan VAE's decoder")
 
     out_channels = _require_present(sd, "decoder.conv_out.weight").shape[0]
-    patch_size = math.isqrt(out_channels // 3)
-    if patch_size * patch_size * 3 != out_channels:
-        raise ValueError(f"decoder.conv_out has {out_channels} output channels; expected 3 x p x p")
+    patch_size = _patch_size(out_channels, "decoder.conv_out has {} output channels")
 
     config = WanVAEConfig(z_dim, base, dim_mult, num_res_blocks, temperal_upsample, out_channels, patch_size,
                           residual)
@@ -339,15 +350,8 @@ def infer_encoder_config(state_dict: dict[str, torch.Tensor]) -> WanEncoderConfi
     (`down_blocks.{i}.resnets.{j}`, `down_blocks.{i}.downsampler`), Wan2.1's numbers them in one flat list.
     """
     sd = encoder_state_dict(state_dict)
-    if "encoder.conv_in.weight" not in sd:
-        raise ValueError("state_dict has no 'encoder.conv_in.weight': not a Wan VAE encoder state dict")
-    conv_in = sd["encoder.conv_in.weight"]
-    if conv_in.dim() != 5:
-        raise ValueError(f"state_dict['encoder.conv_in.weight'] must be 5-D; got shape {list(conv_in.shape)}")
-    base_dim, in_channels = conv_in.shape[0], conv_in.shape[1]
-    patch_size = math.isqrt(in_channels // 3)
-    if patch_size < 1 or patch_size * patch_size * 3 != in_channels:
-        raise ValueError(f"encoder.conv_in has {in_channels} input channels; expected 3 x p x p")
+    base_dim, in_channels = _conv_in(sd, "encoder").shape[:2]
+    patch_size = _patch_size(in_channels, "encoder.conv_in has {} input channels")
 
     down = [k for k in sd if k.startswith("encoder.down_blocks.")]
     blocks = sorted({_block_index(k) for k in down})
