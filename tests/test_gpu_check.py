@@ -204,6 +204,7 @@ def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(mac
     _check_winograd_bench(report)
     _check_coverage(report["coverage"])
     _check_wan21_steps(report)
+    _check_encode(report["encode"], sizes["encode"])
     _check_pipeline(report["pipeline"], sizes["pipeline"])
     _no_fallbacks_anywhere(report)
     assert report["summary"]["compiled_ok"] is True and report["summary"]["pipeline_ok"] is True
@@ -241,6 +242,18 @@ def _check_wan21_steps(report: dict) -> None:
         _timed(report, f"wan21_timing:{h}x{w}", "release_bf16")
         compiled = _timed(report, f"compiled_wan21_timing:{h}x{w}", "compiled")
         assert set(compiled["conv_algorithms"].values()) == {"direct"} and compiled["fallbacks"] == {}
+
+
+def _check_encode(result: dict, size: list) -> None:
+    """The fast encoder against diffusers' encodes: every method timed, each fast one within the allowance (mean and
+    logvar), the steady reuse bit-identical to no reuse."""
+    frames, height, width, _ = size
+    assert result["video"] == [1, 3, frames, height, width]
+    for name in ("diffusers_fp32", "diffusers_bf16", "fast_auto", "fast_auto_no_reuse", "fast_bf16"):
+        assert result[name]["seconds"] > 0
+    for name in ("fast_auto", "fast_auto_no_reuse", "fast_bf16"):
+        assert result[name]["ok"] and set(result[name]["allowance"]) == {"mean", "logvar"}
+    assert result["reuse_bit_identical"] is True and result["ok"] is True
 
 
 def _check_pipeline(result: dict, size: list) -> None:

@@ -20,6 +20,8 @@ Part 2 (`--part 2`): the rest.
 - a torch.profiler kernel table (top 20) of one 4-frame pass; our conv against cuDNN's on the dominant layer shapes;
   each dominant (kt, 3, 3) layer by the direct and the Winograd kernels (the suggested
   `backends.MEASURED_WINOGRAD_LAYERS` entry);
+- the fast encoder on image-to-video's input (the Wan2.1 VAE, 81 frames at 480x832) against diffusers' fp32 (TF32)
+  and bf16 encodes: time, peak memory, the allowance of mean and logvar, the steady reuse on and off;
 - T = 31; the Wan2.1 VAE at 480x832 and 720x1280, 81 frames;
 - last, with its time reserved from the start: the PAN2 pipeline end to end in FastVideo on the tiny checkpoint, the
   fast decoder on, the mp4 streamed while decoding (`python -m fastvideo_pan2_ext.demo`).
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import gc
@@ -67,9 +70,11 @@ sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG,  # noqa: E402
-                                                                    WanVAEConfig, diffusers_arguments, narrow)
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (  # noqa: E402
+    WAN21_CONFIG, WAN21_ENCODER_CONFIG, WAN22_CONFIG, WanVAEConfig, diffusers_arguments, diffusers_encoder_arguments,
+    narrow, narrow_encoder)
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
@@ -86,10 +91,10 @@ CONFIGS = {"wan22": (WAN22_CONFIG, narrow(WAN22_CONFIG, 8, z_dim=8)), "wan21": (
 # 704x1248 write 2.25e9 > 2^31 elements) and the pipeline's video (height, width, frames, steps).
 FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), oracle_frames=3, memory_t=9,
             memory_fpp=(1, 2, 4, "auto"), wan21_hw=((480, 832), (720, 1280)), wan21_t=21,
-            big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2))
+            big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2), encode=(81, 480, 832, 96))
 DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), oracle_frames=2, memory_t=5,
            memory_fpp=(1, 2, 4, "auto"), wan21_hw=((16, 24), (24, 32)), wan21_t=3,
-           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1))
+           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1), encode=(13, 16, 24, 8))
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
                (512, 256, (3, 3, 3), 8), (256, 256, (3, 3, 3), 8)]
@@ -331,6 +336,61 @@ def memory(ctx: Context, names) -> dict:
             replay = WanVAEDecoder(ctx.weights(), ctx.device, local=True, backend="torch", frames_per_pass=fpp)
             record["replay_peak_gib"] = round(replay.peak_bytes(ctx.latents(t).shape) / 2**30, 3)
             out[fpp][name] = record
+    return out
+
+
+def encode(ctx: Context) -> dict:
+    """The fast encoder (portable, one rank) on image-to-video's input (an image, then zero frames: `sizes["encode"]`
+    frames, height, width and the Wan2.1 encoder's base width) against diffusers' own encode of the same weights:
+    diffusers in fp32 as torch's defaults run it (TF32 convs on a GPU) and in bf16; the fast encoder at precision
+    "auto" with the steady reuse on and off, and "bf16". Each timed once after a warm-up; the moments judged by the
+    allowance against diffusers' fp32 encode with TF32 off (mean and logvar apart; baselines: diffusers' TF32 and
+    bf16 encodes)."""
+    from diffusers import AutoencoderKLWan  # noqa: PLC0415 - carried to the GPU machine in the bundle
+
+    frames, height, width, base = ctx.sizes["encode"]
+    vae = AutoencoderKLWan(**diffusers_encoder_arguments(narrow_encoder(WAN21_ENCODER_CONFIG, base)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            param.copy_(selfcheck.seeded_parameter(name, param.shape, generator))
+    vae = vae.to(ctx.device).eval()
+    vae_bf16 = copy.deepcopy(vae).to(torch.bfloat16)
+    video = torch.zeros((1, 3, frames, height, width), device=ctx.device)
+    video[:, :, :1] = torch.rand((1, 3, 1, height, width), generator=generator).to(ctx.device) * 2 - 1
+    warm = video[:, :, :5]
+
+    def diffusers_encode(x, dtype=torch.float32):
+        with torch.no_grad():
+            return (vae if dtype == torch.float32 else vae_bf16).encode(x.to(dtype)).latent_dist.parameters.float()
+
+    with exact_fp32():
+        ref32 = diffusers_encode(video)
+    out: dict = {"video": list(video.shape), "encoder_base_dim": base}
+    results = {}
+    for name, run in (("diffusers_fp32", diffusers_encode),
+                      ("diffusers_bf16", lambda x: diffusers_encode(x, torch.bfloat16)),
+                      ("fast_auto", WanVAEEncoder(vae).encode),
+                      ("fast_auto_no_reuse", WanVAEEncoder(vae, reuse_steady=False).encode),
+                      ("fast_bf16", WanVAEEncoder(vae, precision="bf16").encode)):
+        run(warm)
+        record: dict = {}
+        with measured(ctx, record):
+            results[name] = run(video)
+        out[name] = record
+    for name, baseline in (("fast_auto", "diffusers_fp32"), ("fast_auto_no_reuse", "diffusers_fp32"),
+                           ("fast_bf16", "diffusers_bf16")):
+        out[name]["allowance"] = {
+            half: compare_to_reference(f"{name} {half}", results[name].chunk(2, 1)[i], ref32.chunk(2, 1)[i],
+                                       results[baseline].chunk(2, 1)[i]).figures()
+            for i, half in enumerate(("mean", "logvar"))}
+        # Where diffusers' fp32 encode is exact fp32 (no TF32: a CPU), the baseline error is 0 and fp32 rounding judges.
+        rounding = 2e-5 * max(1.0, float(ref32.abs().max()))
+        out[name]["ok"] = all(a["ok"] or (a["baseline_max_err"] == 0 and a["max_err"] <= rounding)
+                              for a in out[name]["allowance"].values())
+    out["reuse_bit_identical"] = bool(torch.equal(results["fast_auto"], results["fast_auto_no_reuse"]))
+    out["ok"] = out["reuse_bit_identical"] and all(out[n]["ok"] for n in ("fast_auto", "fast_auto_no_reuse",
+                                                                           "fast_bf16"))
     return out
 
 
@@ -667,6 +727,7 @@ CHILD_STEPS = {
     "coverage": lambda ctx, _: coverage(ctx),
     "memory": lambda ctx, a: memory(ctx, a["names"]),
     "profile": lambda ctx, a: profile(ctx, a["names"]),
+    "encode": lambda ctx, _: encode(ctx),
     "conv_bench": lambda ctx, _: conv_bench(ctx),
     "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
     PIPELINE: lambda ctx, a: pipeline(ctx, a["timeout"]),
@@ -798,7 +859,9 @@ def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
             Step("coverage", "coverage", {}, (30, 15), 150, WINOGRAD),
             Step(f"timing:T={big}", "timing", {"t": big, "names": baselines}, (60, 15), 200),
             Step("compiled_memory", "memory", {"names": ["compiled"]}, (20, 10), 120, DIRECT),
-            Step("memory", "memory", {"names": ["portable"]}, (20, 10), 120),
+            Step("memory", "memory", {"names": ["portable"]}, (20, 10), 120)]
+    out += [Step("encode", "encode", {}, (40, 20), 150)] * with_diffusers
+    out += [
             Step("compiled_profile", "profile", {"names": ["compiled"]}, (10, 10), 90, DIRECT),
             Step("profile", "profile", {"names": ["portable"]}, (10, 10), 90),
             Step("conv_bench", "conv_bench", {}, (10, 10), 90, DIRECT),
