@@ -12,7 +12,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
-from fastvideo_pan2_ext.integration import adapter, fast_decode
+from fastvideo_pan2_ext.integration import adapter, fast_decode, fast_encode
 from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames
 
@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
-    """Wan2.2-TI2V-5B's config plus PAN2's decoder switches, each a view of its Wan VAE config (`PAN2_SWITCHES`):
+    """Wan2.2-TI2V-5B's config plus PAN2's decoder and encoder switches, each a view of its Wan VAE config
+    (`PAN2_SWITCHES`):
 
     vae_decode_kernel (`vae_config.decode_kernel`): decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this
         rank) instead of FastVideo's own Wan VAE decode. When a request only saves the video, the frames are then
@@ -38,6 +39,12 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
         vae_decode_frames_per_pass ("auto" by default: `vae_kernel.planning.memory.choose_plan`), vae_decode_tile_rows,
         vae_decode_max_memory, vae_decode_backend, vae_decode_conv_algorithm. `vae_frames_per_pass` is the deprecated
         name of vae_decode_frames_per_pass.
+    vae_encode_kernel (`vae_config.encode_kernel`): encode the first frame with
+        `fastvideo_pan2_ext.vae_kernel.WanVAEEncoder` (on this rank) instead of FastVideo's own Wan VAE encode
+        (`fastvideo_pan2_ext.integration.fast_encode`); off by default.
+    vae_encode_<option> (`vae_config.encode_<option>`), one per encoder option (`vae_kernel.options.ENCODE_OPTIONS`):
+        vae_encode_frames_per_pass, vae_encode_tile_rows, vae_encode_max_memory, vae_encode_backend,
+        vae_encode_precision ("auto": fp32 for PAN2's fp32 VAE, as FastVideo encodes), vae_encode_reuse_steady.
 
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
     (measured; `tests/test_pipeline_decode_routes.py`):
@@ -47,7 +54,8 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
     - `vae_config.use_feature_cache` (default True): False routes encode and decode through FastVideo's generic tiled
       paths, which do not patchify/unpatchify a Wan2.2 VAE (12-channel frames at the wrong size, or a crash in the
       encoder): refused with a ValueError.
-    - The first-frame encode is FastVideo's feature-cache encode of one frame, untiled, in `vae_precision` (fp32).
+    - The first-frame encode is FastVideo's feature-cache encode of one frame, untiled, in `vae_precision` (fp32),
+      unless vae_encode_kernel is on.
     - There is no slicing switch: FastVideo's denoising stage takes one video per request, and WanVAEDecoder decodes
       batch elements one after another anyway (what diffusers' `enable_slicing()` does).
     """
@@ -73,10 +81,11 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
         self.check_vae_options()
 
     def check_vae_options(self) -> None:
-        """ValueError naming the first bad decoder switch (as PAN2 calls it), or a Wan VAE mode PAN2 cannot use. Run
-        at construction, by the parent before a request and by the decoding stage: FastVideo may set fields after
-        construction."""
+        """ValueError naming the first bad decoder or encoder switch (as PAN2 calls it), or a Wan VAE mode PAN2
+        cannot use. Run at construction, by the parent before a request and by the decoding stage: FastVideo may set
+        fields after construction."""
         fast_decode.options(self.vae_config, prefix="vae_")
+        fast_encode.options(self.vae_config, prefix="vae_")
         if not getattr(self.vae_config, "use_feature_cache", True):
             raise ValueError("vae_config.use_feature_cache=False is not supported for PAN2: FastVideo 0.2.1's tiled "
                              "Wan VAE paths do not patchify/unpatchify a Wan2.2 VAE (wrong video or a crash). For "
@@ -85,7 +94,7 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
 
 # PAN2's switches (beyond FastVideo's Wan2.2-TI2V config), e.g. for the CLI's dotted overrides: name -> the Wan VAE
 # config field it is a view of.
-PAN2_SWITCHES = {f"vae_{field}": field for field in fast_decode.CONFIG_FIELDS}
+PAN2_SWITCHES = {f"vae_{field}": field for field in (*fast_decode.CONFIG_FIELDS, *fast_encode.CONFIG_FIELDS)}
 DEPRECATED_SWITCHES = {"vae_frames_per_pass": "vae_decode_frames_per_pass"}
 PAN2_FIELDS = (*PAN2_SWITCHES, *DEPRECATED_SWITCHES)
 

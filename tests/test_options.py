@@ -49,3 +49,14 @@ def test_the_wan_vae_config_fields_are_the_switch_and_one_per_option():
     assert list(fast_decode.CONFIG_FIELDS) == ["decode_kernel", *(f"decode_{name}" for name in options.NAMES)]
     assert {name: default for name, (_, default) in fast_decode.CONFIG_FIELDS.items()} == {
         "decode_kernel": False, **{f"decode_{name}": default for name, default in options.DEFAULTS.items()}}
+
+
+def test_the_wan_vae_config_fields_of_the_encoder_are_its_switch_and_one_per_encode_option():
+    from fastvideo_pan2_ext.integration import fast_encode
+
+    assert list(fast_encode.CONFIG_FIELDS) == ["encode_kernel", *(f"encode_{name}" for name in options.ENCODE_NAMES)]
+    assert {name: default for name, (_, default) in fast_encode.CONFIG_FIELDS.items()} == {
+        "encode_kernel": False, **{f"encode_{o.name}": o.default for o in options.ENCODE_OPTIONS}}
+    checked = options.check({"precision": "bf16", "tile_rows": 2}, part="encode")
+    assert options.as_kwargs(checked) == {**{o.name: o.default for o in options.ENCODE_OPTIONS}, "precision": "bf16",
+                                          "tile_rows": 2}

@@ -117,17 +117,17 @@ EncoderOptions = _options_class("EncoderOptions", ENCODE_OPTIONS,
                                 "The fast encoder's options (see `ENCODE_OPTIONS`), checked.")
 
 
-def as_kwargs(options: DecoderOptions) -> dict[str, Any]:
-    """`options` as the keyword arguments of `WanVAEDecoder`."""
-    return {name: getattr(options, name) for name in NAMES}
+def as_kwargs(options) -> dict[str, Any]:
+    """`options` (DecoderOptions or EncoderOptions) as the keyword arguments of `WanVAEDecoder` (`WanVAEEncoder`)."""
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
 
 
 def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: str | None = None,
           enabled: bool = True, part: str = "decode"):
     """`values` (a subset of the options of `part`, "decode" or "encode"; the rest default) as DecoderOptions
     (EncoderOptions), or a ValueError naming the first bad one as the caller calls it (`label(name)`).
-    `switch`/`enabled`: the caller's switch that turns the fast decoder on (tiling options without it are an error:
-    nothing else tiles exactly)."""
+    `switch`/`enabled`: the caller's switch that turns the fast decoder (encoder) on (tiling options without it are
+    an error: nothing else tiles exactly)."""
     table, names, make = (OPTIONS, NAMES, DecoderOptions) if part == "decode" else \
         (ENCODE_OPTIONS, ENCODE_NAMES, EncoderOptions)
     unknown = sorted(set(values) - set(names))
@@ -143,8 +143,8 @@ def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: 
     if options.tile_rows is not None and options.max_memory is not None:
         raise ValueError(f"set {label('tile_rows')} or {label('max_memory')}, not both: the budget picks the tile")
     if options.tiled and not enabled:
-        raise ValueError(f"{label('tile_rows')} / {label('max_memory')} tile the fast decoder: set {switch}=True "
-                         "(FastVideo's own Wan VAE decode has no exact tiling)")
+        raise ValueError(f"{label('tile_rows')} / {label('max_memory')} tile the fast {part}r: set {switch}=True "
+                         f"(FastVideo's own Wan VAE {part} has no exact tiling)")
     return options
 
 

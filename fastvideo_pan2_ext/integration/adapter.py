@@ -128,10 +128,20 @@ SEAMS = (
          "before FastVideo post-processes the placeholder output", replaced=True),
     Seam("fastvideo.pipelines.stages", "DecodingStage._denormalize_latents", "the fast decoder takes latents "
          "de-normalized exactly as FastVideo's decode does"),
-    Seam("fastvideo.configs.models.vaes", "WanVAEConfig", "gets the fast decoder's switch and options as dataclass "
-         "fields, so every Wan pipeline's config, CLI override and config file can set them", replaced=True),
+    Seam("fastvideo.configs.models.vaes", "WanVAEConfig", "gets the fast decoder's and the fast encoder's switches "
+         "and options as dataclass fields, so every Wan pipeline's config, CLI override and config file can set them",
+         replaced=True),
     Seam("fastvideo.models.vaes.wanvae", "AutoencoderKLWan.decode", "routed to the fast decoder when its config's "
          "decode_kernel is on (FastVideo's decoding stage calls it with de-normalized latents)", replaced=True),
+    Seam("fastvideo.models.vaes.wanvae", "AutoencoderKLWan.encode", "routed to the fast encoder when its config's "
+         "encode_kernel is on (every Wan encode: image-to-video's conditioning, TI2V's first frame, video-to-video, "
+         "preprocessing); it returns a DiagonalGaussianDistribution of the moments", replaced=True),
+    Seam("fastvideo.models.vaes.wanvae", "AutoencoderKLWan.encode", "... and runs the feature-cache encode (the one "
+         "the fast encoder computes) only while the module's use_feature_cache is on",
+         mentions="self.use_feature_cache"),
+    Seam("fastvideo.models.vaes.common", "DiagonalGaussianDistribution", "the fast encoder's moments are returned in "
+         "FastVideo's own distribution class, so .mean, .mode() and .sample(generator) are FastVideo's",
+         name="DiagonalGaussianDistribution"),
     Seam("fastvideo.distributed.parallel_state", "get_world_group", "the ranks of a request decode one video "
          "together over FastVideo's world group"),
     Seam("fastvideo.distributed.parallel_state", "get_local_torch_device", "the device of this rank; CPU only: it "
@@ -636,16 +646,40 @@ def route_wan_vae_decode(switched_on: Callable[[Any], bool], fast_decode: Callab
     _once(AutoencoderKLWan, "decode", make)
 
 
+def route_wan_vae_encode(switched_on: Callable[[Any], bool], fast_encode: Callable) -> None:
+    """FastVideo's `AutoencoderKLWan.encode(self, x)` calls `fast_encode(self, x, original)` where
+    `switched_on(self.config)` (`original(self, x)` is FastVideo's own encode, for what the fast one cannot serve),
+    and runs unchanged elsewhere. Idempotent."""
+    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
+
+    def make(original):
+        @functools.wraps(original)
+        def encode(self, x):
+            return fast_encode(self, x, original) if switched_on(self.config) else original(self, x)
+
+        return encode
+
+    _once(AutoencoderKLWan, "encode", make)
+
+
+_move_hooks: list[Callable[[Any], None]] = []
+
+
 def after_wan_vae_moves(moved: Callable[[Any], None]) -> None:
     """FastVideo's `AutoencoderKLWan._apply` (what `.to()` runs: FastVideo's `vae_cpu_offload` moves the VAE to the
-    CPU after each decode, and back before the next) calls `moved(self)` after it. Idempotent."""
+    CPU after each decode, and its encoding stages move it to the GPU before an encode and back after) calls
+    `moved(self)` after it (each hook once, in registration order). Idempotent."""
     from fastvideo.models.vaes.wanvae import AutoencoderKLWan
+
+    if moved not in _move_hooks:
+        _move_hooks.append(moved)
 
     def make(original):
         @functools.wraps(original)
         def _apply(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            moved(self)
+            for hook in _move_hooks:
+                hook(self)
             return result
 
         return _apply

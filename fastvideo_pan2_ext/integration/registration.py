@@ -8,8 +8,9 @@
 5. Adds `PAN2Pipeline` to FastVideo's ``basic`` pipelines (imported only when FastVideo builds a pipeline).
 6. Makes a `PAN2PipelineConfig` select `PAN2Pipeline` (FastVideo picks the class from the checkpoint, not the config)
    and checks its checkpoint in the process that makes the args.
-7. Gives FastVideo's Wan VAE config the fast decoder's switch and routes its VAE's decode through the fast decoder
-   where the switch is on (`fast_decode`), with the switch's options checked when FastVideoArgs are made.
+7. Gives FastVideo's Wan VAE config the fast decoder's and the fast encoder's switches and routes its VAE's decode
+   and encode through them where a switch is on (`fast_decode`, `fast_encode`), with the switches' options checked
+   when FastVideoArgs are made.
 8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
    latents of a decode that fails with the fast decoder on (`kept_latents`).
 9. Serves PAN2 with ``fastvideo serve`` (`serving`): one job at a time, requests checked at submission, a request
@@ -23,7 +24,7 @@ import logging
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
-from . import adapter, cli, fast_decode, kept_latents, request_failure, serving, streamed_save
+from . import adapter, cli, fast_decode, fast_encode, kept_latents, request_failure, serving, streamed_save
 from .checkpoint import check_pan2_checkpoint, looks_like_pan2
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,13 @@ def register() -> None:
     adapter.register_preset(PAN2_PRESET)
     adapter.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)
     adapter.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")
-    adapter.add_config_fields(fast_decode.CONFIG_FIELDS)
+    adapter.add_config_fields({**fast_decode.CONFIG_FIELDS, **fast_encode.CONFIG_FIELDS})
     adapter.route_wan_vae_decode(lambda vae_config: fast_decode.options(vae_config) is not None, fast_decode.decode)
+    adapter.route_wan_vae_encode(lambda vae_config: fast_encode.options(vae_config) is not None, fast_encode.encode)
     adapter.after_wan_vae_moves(fast_decode.vae_moved)
+    adapter.after_wan_vae_moves(fast_encode.vae_moved)
     adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
+    adapter.on_fastvideo_args(fast_encode.check_fastvideo_args, "after")
     cli.install()
     streamed_save.install()
     kept_latents.install()

@@ -1,0 +1,164 @@
+"""The fast encoder inside FastVideo: every Wan VAE whose config says `encode_kernel=True` encodes through
+`vae_kernel.WanVAEEncoder` (docs/design.md, "The fast encoder in FastVideo").
+
+FastVideo's `WanVAEConfig` gets the switch `encode_kernel: bool = False` and one field `encode_<name>` per encoder
+option (`vae_kernel.options.ENCODE_OPTIONS`: encode_frames_per_pass, encode_tile_rows, encode_max_memory,
+encode_backend, encode_precision, encode_reuse_steady), added by `adapter.add_config_fields` beside the decoder's, off
+by default, set like any of its fields (Python: `pipeline_config.vae_config.encode_kernel = True`; CLI:
+`--generator.pipeline.experimental.pipeline_config.vae_config.encode_kernel true`; PAN2: `vae_encode_kernel`).
+
+FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`adapter.route_wan_vae_encode`): every
+Wan encode FastVideo makes (image-to-video's conditioning video, TI2V's first frame, video-to-video, the
+preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistribution` of the moments, in the VAE's
+dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. The encoder runs on
+this rank alone: each rank encodes its own input (preprocessing ranks hold different clips; inference ranks encode
+the same one). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, with one warning line per VAE and
+reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from fastvideo_pan2_ext.vae_kernel import options as encoder_options
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import check_video
+from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
+from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
+
+from . import adapter
+
+logger = logging.getLogger(__name__)
+
+SWITCH = "encode_kernel"
+
+
+def config_field(option: str) -> str:
+    """The Wan VAE config field of an encoder option."""
+    return f"encode_{option}"
+
+
+# The fields added to FastVideo's WanVAEConfig: name -> (type, default).
+CONFIG_FIELDS = {SWITCH: (bool, False),
+                 **{config_field(o.name): (o.annotation, o.default) for o in encoder_options.ENCODE_OPTIONS}}
+
+
+def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderOptions | None:
+    """The options of a Wan VAE config whose fast encoder is on, else None (ValueError naming a bad field, as
+    `prefix` + its field name)."""
+    enabled = getattr(vae_config, SWITCH, False)
+    values = {o.name: getattr(vae_config, config_field(o.name), o.default) for o in encoder_options.ENCODE_OPTIONS}
+    opts = encoder_options.check(values, lambda name: prefix + config_field(name), prefix + SWITCH, enabled,
+                                 part="encode")
+    return opts if enabled else None
+
+
+def check_fastvideo_args(args) -> None:
+    """At FastVideoArgs creation, in the process that starts the workers: a bad option is one error before any model
+    loads."""
+    options(getattr(args.pipeline_config, "vae_config", None))
+
+
+# --------------------------------------------------------------------------------------------------- what it serves
+
+
+_PART = weights_mod.encoder_part(torch.float32)  # the encoder's tensors (read here, not prepared)
+
+
+def _encoder_layer(vae):
+    layer = vae.quant_conv
+    return getattr(layer, "base_layer", layer)  # PEFT's wrapper
+
+
+def vae_device(vae) -> torch.device:
+    """Where the VAE's encoder weights are now."""
+    return _encoder_layer(vae).weight.device
+
+
+def cannot_serve(vae, x) -> tuple[str, str] | None:
+    """(kind, why) when the fast encoder cannot serve `vae.encode(x)`, which FastVideo's own encode then runs; None
+    when it can. Read at every encode: a VAE's mode, weights and place change between calls."""
+    if not getattr(vae, "use_feature_cache", True):
+        return "feature_cache", ("vae_config.use_feature_cache is False (FastVideo's tiled encode paths, which the "
+                                 "fast encoder does not compute)")
+    if not isinstance(x, torch.Tensor):
+        return "input", f"the input is a {type(x).__name__}, not a video tensor"
+    try:  # the encoder's own check of what it takes: architecture, every tensor's shape, loaded and finite values
+        config, _ = weights_mod.checked(vae, _PART)
+    except ValueError as exc:
+        return "weights", f"the fast encoder cannot take this VAE's encoder weights ({exc})"
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.encoder.parameters())):
+        return "autograd", ("autograd is recording through this encode (grad enabled and the video or the encoder's "
+                            "parameters require grad), so gradients flow through FastVideo's; for the fast encoder "
+                            "run it under torch.no_grad()")
+    if (getattr(vae.config, "patch_size", None) or 1) != config.patch_size:
+        return "weights", (f"the VAE's config says patch_size {vae.config.patch_size!r} but its encoder takes "
+                           f"{config.in_channels} channels (3 x p x p with p = {config.patch_size})")
+    where = vae_device(vae)
+    if x.device != where:
+        return "device", f"the video is on {x.device} and the VAE's encoder weights on {where}"
+    try:
+        check_video(x, config)
+    except ValueError as exc:
+        return "video", str(exc)
+    return None
+
+
+_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> the kinds it was warned of
+
+
+def _warn_once(vae, kind: str, why: str) -> None:
+    seen = _warned.setdefault(vae, set())
+    if kind not in seen:
+        seen.add(kind)
+        logger.warning("fast VAE encoder: %s; encoding with FastVideo's own encode", why)
+
+
+# --------------------------------------------------------------------------------------------------- encoding
+
+
+_encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> (key, WanVAEEncoder)
+
+
+def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
+    """The fast encoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device and options. Its
+    weights are prepared from the module's own and follow them (the encoder reads and compares them at every
+    encode); they are dropped when the module leaves `device` (`vae_moved`)."""
+    opts = options(vae.config) or encoder_options.EncoderOptions()
+    key = (str(device), opts)
+    cached = _encoders.get(vae)
+    if cached is None or cached[0] != key:
+        cached = None
+        _encoders.pop(vae, None)  # the old encoder's prepared weights go before the new ones are made
+        encoder = WanVAEEncoder(vae, device=device, **encoder_options.as_kwargs(opts))
+        logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
+                    "reuse_steady %s, one rank on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
+                    opts.tile_rows, opts.max_memory, opts.reuse_steady, device)
+        cached = _encoders[vae] = (key, encoder)
+    return cached[1]
+
+
+def vae_moved(vae) -> None:
+    """After FastVideo's Wan VAE `vae` moved (`.to()`; `adapter.after_wan_vae_moves`): a fast encoder on the device
+    it left is dropped with its prepared weights (FastVideo's encoding stages move the VAE to the CPU after an
+    encode); the next encode makes one where the VAE then is."""
+    cached = _encoders.get(vae)
+    if cached is not None and cached[1].device != vae_device(vae):
+        del _encoders[vae]
+
+
+def encode(vae, x, fastvideo_encode):
+    """What `AutoencoderKLWan.encode(x)` returns (FastVideo's `DiagonalGaussianDistribution` of the moments), from
+    the fast encoder; FastVideo's own encode (`fastvideo_encode(vae, x)`) where it cannot serve the call."""
+    reason = cannot_serve(vae, x)
+    if reason is not None:
+        _warn_once(vae, *reason)
+        return fastvideo_encode(vae, x)
+    encoder = encoder_for(vae, x.device)
+    moments = encoder.encode(x)
+    plan = encoder.last_plan
+    logger.debug("fast VAE encoder: video %s: %d latent frame(s) per pass, %s", list(x.shape), plan.frames_per_pass,
+                 "untiled" if plan.tile_rows is None else f"in tiles of {plan.tile_rows} latent rows")
+    return adapter.symbol("DiagonalGaussianDistribution")(moments)
