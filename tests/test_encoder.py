@@ -240,7 +240,8 @@ def test_a_budget_picks_tiles_and_an_out_of_memory_encode_retries_smaller(layout
         def always_out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("injected: out of memory")
 
-        never = WanVAEEncoder(vae, frames_per_pass=1, backend=dataclasses.replace(TORCH_OPS, conv3d=always_out_of_memory))
+        never = WanVAEEncoder(vae, frames_per_pass=1,
+                              backend=dataclasses.replace(TORCH_OPS, conv3d=always_out_of_memory))
         with pytest.raises(EncodeOutOfMemoryError, match="at every plan it tried"):
             never.encode(video)
 

@@ -82,6 +82,7 @@ def prepare_encoder(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torc
 class WeightPart:
     """Which half of a Wan VAE a set of prepared weights serves, and how its tensors are read and prepared."""
 
+    role: str  # "decoder" or "encoder", in messages
     prefixes: tuple[str, ...]  # the submodules whose weights it reads
     anchor: str  # a layer whose weight tells where the module is
     infer: Callable[[dict], object]  # state dict -> architecture (ValueError naming a bad tensor)
@@ -89,13 +90,13 @@ class WeightPart:
     prepare: Callable[[str, torch.Tensor], torch.Tensor]
 
 
-DECODER = WeightPart(("decoder.", "post_quant_conv"), "post_quant_conv", infer_config, lambda c: weight_names(c),
-                     prepare)
+DECODER = WeightPart("decoder", ("decoder.", "post_quant_conv"), "post_quant_conv", infer_config,
+                     lambda c: weight_names(c), prepare)
 
 
 def encoder_part(dtype: torch.dtype) -> WeightPart:
     """The encoder's weights, prepared in `dtype` (`prepare_encoder`)."""
-    return WeightPart(("encoder.", "quant_conv"), "quant_conv", infer_encoder_config,
+    return WeightPart("encoder", ("encoder.", "quant_conv"), "quant_conv", infer_encoder_config,
                       lambda c: list(expected_encoder_shapes(c)), functools.partial(prepare_encoder, dtype=dtype))
 
 
@@ -137,9 +138,9 @@ def module_state_dict(module: torch.nn.Module, part: WeightPart = DECODER) -> di
         if hasattr(layer, "base_layer") and hasattr(layer, "merged") and name.startswith(part.prefixes):
             if bool(layer.merged) == bool(getattr(layer, "disable_adapters", False)):
                 state = "merged but disabled" if layer.merged else "active but not merged"
-                raise ValueError(f"{name} has LoRA adapters that are {state} (PEFT): the fast decoder reads a layer's "
-                                 "weights, so merge its active adapters into them (merge_adapter(), fuse_lora()) or "
-                                 "unload them")
+                raise ValueError(f"{name} has LoRA adapters that are {state} (PEFT): the fast {part.role} reads a "
+                                 "layer's weights, so merge its active adapters into them (merge_adapter(), "
+                                 "fuse_lora()) or unload them")
     return {key.replace(".base_layer.", "."): tensor for key, tensor in module.state_dict().items()
             if not any(part.startswith("lora_") for part in key.split("."))}
 
