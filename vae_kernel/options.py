@@ -117,6 +117,29 @@ EncoderOptions = _options_class("EncoderOptions", ENCODE_OPTIONS,
                                 "The fast encoder's options (see `ENCODE_OPTIONS`), checked.")
 
 
+def config_field(part: str, option: str) -> str:
+    """The field of a Wan VAE config (FastVideo's) that holds `option` of `part` ("decode" or "encode"):
+    `decode_<option>`, `encode_<option>`; `<part>_kernel` is the switch."""
+    return f"{part}_{option}"
+
+
+def config_fields(part: str) -> dict[str, tuple[Any, Any]]:
+    """The fields a Wan VAE config gets for `part`: name -> (type, default), the switch first."""
+    table = OPTIONS if part == "decode" else ENCODE_OPTIONS
+    return {config_field(part, "kernel"): (bool, False),
+            **{config_field(part, o.name): (o.annotation, o.default) for o in table}}
+
+
+def from_config(config, part: str, prefix: str = "vae_config."):
+    """(whether `part`'s switch is on, its options checked) as the fields of `config` hold them (a ValueError names a
+    bad field as `prefix` + its name)."""
+    table = OPTIONS if part == "decode" else ENCODE_OPTIONS
+    switch = config_field(part, "kernel")
+    enabled = getattr(config, switch, False)
+    values = {o.name: getattr(config, config_field(part, o.name), o.default) for o in table}
+    return enabled, check(values, lambda name: prefix + config_field(part, name), prefix + switch, enabled, part)
+
+
 def as_kwargs(options) -> dict[str, Any]:
     """`options` (DecoderOptions or EncoderOptions) as the keyword arguments of `WanVAEDecoder` (`WanVAEEncoder`)."""
     return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

@@ -31,25 +31,19 @@ from . import adapter
 
 logger = logging.getLogger(__name__)
 
-SWITCH = "decode_kernel"
+SWITCH = decoder_options.config_field("decode", "kernel")
+CONFIG_FIELDS = decoder_options.config_fields("decode")  # the fields added to FastVideo's WanVAEConfig
 
 
 def config_field(option: str) -> str:
     """The Wan VAE config field of a decoder option."""
-    return f"decode_{option}"
-
-
-# The fields added to FastVideo's WanVAEConfig: name -> (type, default).
-CONFIG_FIELDS = {SWITCH: (bool, False),
-                 **{config_field(o.name): (o.annotation, o.default) for o in decoder_options.OPTIONS}}
+    return decoder_options.config_field("decode", option)
 
 
 def options(vae_config, prefix: str = "vae_config.") -> decoder_options.DecoderOptions | None:
     """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field, as
     `prefix` + its field name)."""
-    enabled = getattr(vae_config, SWITCH, False)
-    values = {o.name: getattr(vae_config, config_field(o.name), o.default) for o in decoder_options.OPTIONS}
-    opts = decoder_options.check(values, lambda name: prefix + config_field(name), prefix + SWITCH, enabled)
+    enabled, opts = decoder_options.from_config(vae_config, "decode", prefix)
     if enabled and getattr(vae_config, "use_light_vae", False):
         raise ValueError(f"{prefix}{SWITCH}=True cannot decode a light VAE (vae_config.use_light_vae=True, a pruned "
                          "Wan VAE the fast decoder does not implement); turn one of them off")

@@ -32,26 +32,19 @@ from . import adapter
 
 logger = logging.getLogger(__name__)
 
-SWITCH = "encode_kernel"
+SWITCH = encoder_options.config_field("encode", "kernel")
+CONFIG_FIELDS = encoder_options.config_fields("encode")  # the fields added to FastVideo's WanVAEConfig
 
 
 def config_field(option: str) -> str:
     """The Wan VAE config field of an encoder option."""
-    return f"encode_{option}"
-
-
-# The fields added to FastVideo's WanVAEConfig: name -> (type, default).
-CONFIG_FIELDS = {SWITCH: (bool, False),
-                 **{config_field(o.name): (o.annotation, o.default) for o in encoder_options.ENCODE_OPTIONS}}
+    return encoder_options.config_field("encode", option)
 
 
 def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderOptions | None:
     """The options of a Wan VAE config whose fast encoder is on, else None (ValueError naming a bad field, as
     `prefix` + its field name)."""
-    enabled = getattr(vae_config, SWITCH, False)
-    values = {o.name: getattr(vae_config, config_field(o.name), o.default) for o in encoder_options.ENCODE_OPTIONS}
-    opts = encoder_options.check(values, lambda name: prefix + config_field(name), prefix + SWITCH, enabled,
-                                 part="encode")
+    enabled, opts = encoder_options.from_config(vae_config, "encode", prefix)
     return opts if enabled else None
 
 
