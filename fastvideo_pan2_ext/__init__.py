@@ -3,8 +3,9 @@
 Rooms (docs/design.md, "Rooms"): `plugin_loader` (FastVideo plugins, generic), `integration` (PAN2 in FastVideo: the
 one seam to FastVideo's internals, registration, CLI, pipeline and stages), `demo` (demos and the tiny checkpoint
 maker), `configs`, `attention`, `vae_kernel` (the decoder library, usable without FastVideo), `reference` (the
-definition of results), `image` and `video_io`, and `diffusers_decode` (the fast decoder for diffusers' Wan VAE:
-`enable_fast_decode` / `disable_fast_decode`).
+definition of results), `image` and `video_io`, and `diffusers_decode` / `diffusers_encode` (the fast decoder and
+encoder for diffusers' Wan VAE: `enable_fast_decode` / `enable_fast_encode` and their `disable_`s, on the routing
+they share, `diffusers_route`).
 
 Importing this package is cheap: FastVideo, torch and the config classes are imported only when one of the names
 below is first used.
@@ -13,7 +14,8 @@ below is first used.
 from fastvideo_pan2_ext.version import __version__
 
 __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "DecodeFailed", "register", "enable_fast_decode",
-           "disable_fast_decode", "is_fast_decode_enabled", "WanVAEDecoder", "__version__"]
+           "disable_fast_decode", "is_fast_decode_enabled", "enable_fast_encode", "disable_fast_encode",
+           "is_fast_encode_enabled", "WanVAEDecoder", "__version__"]
 
 
 def register() -> None:
@@ -40,6 +42,10 @@ def __getattr__(name: str):
         from fastvideo_pan2_ext import diffusers_decode
 
         return getattr(diffusers_decode, name)
+    if name in ("enable_fast_encode", "disable_fast_encode", "is_fast_encode_enabled"):
+        from fastvideo_pan2_ext import diffusers_encode
+
+        return getattr(diffusers_encode, name)
     if name == "WanVAEDecoder":  # the decoder library; neither FastVideo nor diffusers is imported
         from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 

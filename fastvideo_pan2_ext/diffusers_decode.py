@@ -1,5 +1,5 @@
 """The fast decoder for diffusers' Wan VAE: `enable_fast_decode(target, **options)` / `disable_fast_decode(target)`
-(docs/design.md, "The fast decoder in diffusers").
+(docs/design.md, "The fast decoder and encoder in diffusers").
 
 `target` is a diffusers `AutoencoderKLWan` or a pipeline whose `.vae` is one (`WanPipeline`,
 `WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, ...). After `enable_fast_decode`, the VAE's `decode(z,
@@ -26,26 +26,22 @@ own decoder from its own weights; a pickled one decodes on one rank (docs/diffus
 
 from __future__ import annotations
 
-import functools
-import warnings
-import weakref
-
 import torch
 import torch.distributed as dist
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.vae import DecoderOutput
 
+from fastvideo_pan2_ext import diffusers_route
+from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel.distributed.bands import comm_device
 from fastvideo_pan2_ext.vae_kernel.portable.weights import state_dict_of
-from fastvideo_pan2_ext.vae_kernel import options as decoder_options
-from fastvideo_pan2_ext.vae_kernel.portable import passes
-from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
 
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
 
-_STATE = "_pan2_fast_decode"  # the VAE's instance attribute holding its _FastDecode
+
 def check_options(options: dict, pg=None) -> decoder_options.DecoderOptions:
     """The options, checked by the decoder's own rules (`vae_kernel.options`), and `pg`: a group of several ranks
     never tiles (ValueError naming the first bad one)."""
@@ -62,202 +58,66 @@ def check_options(options: dict, pg=None) -> decoder_options.DecoderOptions:
     return checked
 
 
-def wan_vae_of(target) -> AutoencoderKLWan:
-    """The diffusers AutoencoderKLWan that `target` is or holds as `.vae` (ValueError otherwise)."""
-    vae = target if isinstance(target, AutoencoderKLWan) else getattr(target, "vae", None)
-    if not isinstance(vae, AutoencoderKLWan):
-        what = type(target).__name__ if vae is None else f"{type(target).__name__} whose .vae is {type(vae).__name__}"
-        raise ValueError("target must be a diffusers AutoencoderKLWan or a pipeline whose .vae is one; got " + what)
-    return vae
-
-
-def unsupported_reason(vae: AutoencoderKLWan) -> str | None:
-    """Why the fast decoder cannot decode this VAE (diffusers then decodes it), or None when it can."""
-    try:
-        config = infer_config(state_dict_of(vae))
-    except ValueError as exc:
-        return str(exc)
-    patch_size = vae.config.patch_size or 1
-    if config.patch_size != patch_size:
-        return (f"its decoder's conv_out has {config.out_channels} channels but its config says patch_size "
-                f"{vae.config.patch_size!r} (the fast decoder unpatchifies 3 x p x p channels)")
-    return None
-
-
-def _decoder_parameters(vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
-    return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
-
-
-def _offloaded_layer_by_layer(vae: AutoencoderKLWan) -> bool:
-    """accelerate's sequential offload (`enable_sequential_cpu_offload`): the weights wait on the meta device and
-    each layer's are loaded just for its forward."""
-    return any(p.device.type == "meta" for p in _decoder_parameters(vae))
-
-
-class _FastDecode:
-    """One VAE's fast decode: its options, its decoder (made from the VAE on first use, on the VAE's device; its
-    prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`, `follow_vae`), and the warnings it has
-    given."""
-
-    def __init__(self, options: decoder_options.DecoderOptions, pg, pipeline=None) -> None:
-        self.options, self.pg = options, pg
-        # The pipeline it was enabled on (weakly: the pipeline holds the VAE): its progress_bar shows the decode's.
-        self.pipeline = weakref.ref(pipeline) if pipeline is not None else lambda: None
-        self._decoder: WanVAEDecoder | None = None
-        self._warned: set[str] = set()
-
-    def __deepcopy__(self, memo) -> _FastDecode:
-        """A copied VAE's: the same options and process group; its decoder is built from the copy's weights."""
-        return _FastDecode(self.options, self.pg)
-
-    def __reduce__(self):
-        """Pickled (torch.save) as its options: the loaded VAE builds its decoder from its own weights, on one rank
-        (a process group belongs to the job that made it)."""
-        backend = self.options.backend
-        if isinstance(backend, Ops):
-            raise TypeError(f"cannot pickle a VAE whose fast decoder runs a given op table (the {backend.name!r} Ops, "
-                            "functions of this process): enable it with backend 'auto', 'cuda' or 'torch' to save it")
-        return _FastDecode, (self.options, None)
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
-
-    def decoder(self, vae: AutoencoderKLWan) -> WanVAEDecoder | None:
-        """The decoder of `vae`, or None (after one warning) when diffusers decodes it: outside the architecture, or
-        offloaded layer by layer."""
-        if _offloaded_layer_by_layer(vae):
-            self.warn_once("sequential", "enable_fast_decode: this AutoencoderKLWan is offloaded layer by layer "
-                                         "(enable_sequential_cpu_offload), so its weights are never on the GPU at "
-                                         "once; decoding with diffusers' decode")
-            self._decoder = None  # diffusers decodes: nothing of ours stays on the device
-            return None
-        reason = unsupported_reason(vae)
-        if reason is not None:
-            self.warn_once("unsupported", f"enable_fast_decode: this AutoencoderKLWan is outside the fast "
-                                          f"decoder's architecture ({reason}); decoding with diffusers' decode")
-            self._decoder = None
-            return None
-        if self._decoder is None or self._decoder.device != vae.device:
-            opts = self.options
-            self._decoder = WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
-                                          frames_per_pass=opts.frames_per_pass, backend=opts.backend,
-                                          conv_algorithm=opts.conv_algorithm)
-        return self._decoder
-
-    def vae_moved(self) -> None:
-        if self._decoder is not None:
-            self._decoder.follow_vae()
-
-
-def _autograd_records(vae: AutoencoderKLWan, z) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return (isinstance(z, torch.Tensor) and z.requires_grad) or any(p.requires_grad for p in _decoder_parameters(vae))
-
-
-def _set_tiling(decoder: WanVAEDecoder, vae: AutoencoderKLWan, options: decoder_options.DecoderOptions,
-                z: torch.Tensor, state: _FastDecode) -> None:
-    """The options' tiling, else diffusers' enable_tiling() as exact tiles of its tile height in latent rows."""
-    if options.tile_rows is not None:
-        decoder.enable_tiling(options.tile_rows)
-    elif options.max_memory is not None:
-        decoder.set_max_memory(options.max_memory)
-    elif vae.use_tiling and _diffusers_would_tile(vae, z):
-        if decoder.pg is not None:
-            state.warn_once("tiling", "enable_fast_decode: the ranks of the process group split each decode's rows; "
-                                      "vae.enable_tiling() is not applied on top of that")
-            return
-        decoder.enable_tiling(tile_rows_of(vae))
-    else:
-        decoder.disable_tiling()
-
-
-def tile_rows_of(vae: AutoencoderKLWan) -> int:
-    """diffusers' tile height in latent rows (its `tile_latent_min_height`), at least 1."""
-    return max(1, vae.tile_sample_min_height // vae.spatial_compression_ratio)
-
-
 def _diffusers_would_tile(vae: AutoencoderKLWan, z: torch.Tensor) -> bool:
     """diffusers' own condition in `_decode`: a latent side larger than its tile's."""
     ratio = vae.spatial_compression_ratio
     return z.shape[-1] > vae.tile_sample_min_width // ratio or z.shape[-2] > vae.tile_sample_min_height // ratio
 
 
-def _decode_video(decoder: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
-    """The bf16 video on every rank: rank 0's decode, broadcast over the group when there are several ranks."""
-    video = decoder.decode(z)
-    if decoder.pg is None:
-        return video
-    where = comm_device(decoder.pg, z.device)
-    buffer = video.to(where) if video is not None else \
-        torch.empty(decoder.output_shape(z), dtype=torch.bfloat16, device=where)
-    dist.broadcast(buffer, src=dist.get_global_rank(decoder.pg, 0), group=decoder.pg)
-    return buffer.to(z.device)
+class FastDecode(diffusers_route.Route):
+    """The VAE's `decode` by `WanVAEDecoder` (its prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`,
+    `follow_vae`)."""
 
+    method, attribute, worker_name, input_name, verb = "decode", "_pan2_fast_decode", "decoder", "latents", "decoding"
 
-def _progress_bars_of(pipeline):
-    """The pipeline's own progress bars (diffusers' `progress_bar`, honouring `set_progress_bar_config`), or None."""
-    if not callable(getattr(pipeline, "progress_bar", None)):
-        return None
+    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
+        return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
 
-    def bar(total: int):
-        progress = pipeline.progress_bar(total=total)
-        if not getattr(progress, "desc", ""):  # a disabled tqdm has none
-            progress.set_description("VAE decode", refresh=False)
-        return progress
+    @classmethod
+    def architecture(cls, vae: AutoencoderKLWan):
+        return infer_config(state_dict_of(vae))
 
-    return bar
+    def make(self, vae: AutoencoderKLWan) -> WanVAEDecoder:
+        opts = self.options
+        return WanVAEDecoder(vae, device=vae.device, pg=self.pg, local=self.pg is None,
+                             frames_per_pass=opts.frames_per_pass, backend=opts.backend,
+                             conv_algorithm=opts.conv_algorithm, tile_rows=opts.tile_rows, max_memory=opts.max_memory)
 
+    def smallest_input(self, decoder: WanVAEDecoder) -> tuple[int, ...]:
+        return (1, decoder.config.z_dim, 1, 1, 1)
 
-def _decode(vae: AutoencoderKLWan, z: torch.Tensor, return_dict: bool = True):
-    """The VAE's `decode` while the fast decoder is enabled (the signature and return types of diffusers')."""
-    state: _FastDecode = vae.__dict__[_STATE]
-    if _autograd_records(vae, z):
-        state.warn_once("autograd", "enable_fast_decode: autograd is recording through this decode (grad enabled "
-                                    "and the latents or the VAE's parameters require grad): decoding with "
-                                    "diffusers' decode so gradients flow; for the fast decoder run it under "
-                                    "torch.no_grad() or call vae.requires_grad_(False)")
-        return type(vae).decode(vae, z, return_dict=return_dict)
-    hook = getattr(vae, "_hf_hook", None)  # diffusers' apply_forward_hook: an offloaded VAE moves to its device
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(vae)
-    decoder = state.decoder(vae)
-    if decoder is None:
-        return type(vae).decode(vae, z, return_dict=return_dict)
-    _set_tiling(decoder, vae, state.options, z, state)
-    bars = passes.progress_bars.set(_progress_bars_of(state.pipeline()))
-    try:
-        if vae.use_slicing and z.shape[0] > 1:
-            video = torch.cat([_decode_video(decoder, one) for one in z.split(1)])
+    def prepare(self, decoder: WanVAEDecoder, vae: AutoencoderKLWan, z: torch.Tensor) -> None:
+        """The options' tiling (set when the decoder was made) always; else diffusers' enable_tiling() as exact
+        tiles of its tile height in latent rows."""
+        if self.options.tiled:
+            return
+        if vae.use_tiling and _diffusers_would_tile(vae, z):
+            if decoder.pg is not None:
+                self.warn_once("tiling", "the ranks of the process group split each decode's rows; "
+                                         "vae.enable_tiling() is not applied on top of that")
+                return
+            decoder.enable_tiling(tile_rows_of(vae))
         else:
-            video = _decode_video(decoder, z)
-    finally:
-        passes.progress_bars.reset(bars)
-    video = video.to(vae.dtype)
-    return DecoderOutput(sample=video) if return_dict else (video,)
+            decoder.disable_tiling()
 
+    def run(self, decoder: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
+        """The bf16 video on every rank: rank 0's decode, broadcast over the group when there are several ranks."""
+        video = decoder.decode(z)
+        if decoder.pg is None:
+            return video
+        where = comm_device(decoder.pg, z.device)
+        buffer = video.to(where) if video is not None else \
+            torch.empty(decoder.output_shape(z), dtype=torch.bfloat16, device=where)
+        dist.broadcast(buffer, src=dist.get_global_rank(decoder.pg, 0), group=decoder.pg)
+        return buffer.to(z.device)
 
-def _check_budget(decoder: WanVAEDecoder | None, max_memory) -> None:
-    """ValueError when `max_memory` cannot decode even the smallest latents (one frame, one latent pixel)."""
-    if decoder is None:
-        return
-    decoder.set_max_memory(max_memory)
-    try:
-        decoder.plan((1, decoder.config.z_dim, 1, 1, 1))
-    except ValueError as exc:
-        raise ValueError(f"max_memory={max_memory!r} is below what any decode needs: {exc}") from None
+    def output(self, vae: AutoencoderKLWan, video: torch.Tensor, return_dict: bool):
+        video = video.to(vae.dtype)
+        return DecoderOutput(sample=video) if return_dict else (video,)
 
-
-def _apply(vae: AutoencoderKLWan, *args, **kwargs):
-    """The VAE's `_apply` (what `.to()`, `.cpu()`, `.cuda()`, casts and accelerate's offload hooks run) while the
-    fast decoder is enabled: diffusers', then the decoder's prepared weights leave a device the VAE left."""
-    result = type(vae)._apply(vae, *args, **kwargs)
-    state = vae.__dict__.get(_STATE)
-    if state is not None:
-        state.vae_moved()
-    return result
+    def vae_moved(self, vae: AutoencoderKLWan) -> None:
+        if self.worker is not None:
+            self.worker.follow_vae()
 
 
 def enable_fast_decode(target, *, pg=None, **options) -> None:
@@ -265,30 +125,17 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     `WanVAEDecoder`'s (`vae_kernel.options.OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
     conv_algorithm; a ValueError names a bad one), `pg` a process group whose ranks split each decode's rows. Calling
     it again replaces the options."""
-    vae = wan_vae_of(target)
-    checked = check_options(options, pg)
-    # Refused now, not after the denoise. A VAE on the CPU may still decode on a GPU (moved there later, or by
-    # model offload's hook): what is known now is whether there is a GPU, and the budget where it decodes already.
-    if checked.backend == "cuda" and not torch.cuda.is_available():
-        raise ValueError("backend='cuda' runs the compiled kernels on a GPU, but torch sees none here "
-                         "(torch.cuda.is_available() is False): pass backend='auto' or 'torch'")
-    state = _FastDecode(checked, pg, None if target is vae else target)
-    if checked.max_memory is not None and (vae.device.type == "cuda" or not torch.cuda.is_available()):
-        _check_budget(state.decoder(vae), checked.max_memory)  # else the decode checks it before any work
-    vae.__dict__[_STATE] = state
-    # An instance attribute (deleting it restores diffusers'); a partial, not a bound method, so that a copy or a
-    # pickled VAE gets it bound to itself (a bound method pickles by its name, which is diffusers' private `_decode`).
-    vae.__dict__["decode"] = functools.partial(_decode, vae)
-    vae.__dict__["_apply"] = functools.partial(_apply, vae)
+    wan_vae_of(target)
+    diffusers_route.enable(target, FastDecode, check_options(options, pg), pg)
 
 
 def disable_fast_decode(target) -> None:
     """Restore diffusers' own decode on `target`'s Wan VAE (nothing to do when the fast decoder is not enabled)."""
-    vae = wan_vae_of(target)
-    vae.__dict__.pop(_STATE, None)
-    vae.__dict__.pop("decode", None)
-    vae.__dict__.pop("_apply", None)
+    diffusers_route.disable(target, FastDecode)
 
 
 def is_fast_decode_enabled(target) -> bool:
-    return _STATE in wan_vae_of(target).__dict__
+    return diffusers_route.is_enabled(target, FastDecode)
+
+
+unsupported_reason = FastDecode.unsupported_reason  # why the fast decoder cannot decode a VAE, or None

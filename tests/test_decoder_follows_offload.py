@@ -52,7 +52,7 @@ def test_diffusers_decoder_weights_leave_the_device_with_the_vae_and_come_back_t
     enable_fast_decode(vae)
     z = random_latents(Z, seed=1)
     while_there, after_leaving, weight_bytes, first, again, same = _offload_round_trip(
-        vae, z, lambda v: v.__dict__["_pan2_fast_decode"]._decoder)
+        vae, z, lambda v: v.__dict__["_pan2_fast_decode"].worker)
     assert after_leaving == 0
     assert while_there >= weight_bytes > 0
     assert same and torch.equal(again, first)

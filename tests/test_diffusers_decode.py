@@ -1,8 +1,8 @@
-"""`enable_fast_decode` on diffusers' own AutoencoderKLWan (docs/design.md, "The fast decoder in diffusers"): return
-types, dtypes, the allowance against diffusers' fp32 decode, the decoder built once and rebuilt when the weights
-change, autograd through diffusers' decode, slicing and exact tiling, the option checks, and what diffusers' own
-AutoencoderKLWan tests check (output shapes, save/load round trip, determinism, slicing and tiling, training through
-`forward`, dtypes) with the fast decoder enabled on every model they build."""
+"""`enable_fast_decode` on diffusers' own AutoencoderKLWan (docs/design.md, "The fast decoder and encoder in
+diffusers"): return types, dtypes, the allowance against diffusers' fp32 decode, the decoder built once and rebuilt
+when the weights change, autograd through diffusers' decode, slicing and exact tiling, the option checks, and what
+diffusers' own AutoencoderKLWan tests check (output shapes, save/load round trip, determinism, slicing and tiling,
+training through `forward`, dtypes) with the fast decoder enabled on every model they build."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _fast(vae, z, **kwargs) -> torch.Tensor:
 
 
 def _decoder(vae) -> WanVAEDecoder:
-    return vae.__dict__["_pan2_fast_decode"]._decoder
+    return vae.__dict__["_pan2_fast_decode"].worker
 
 
 def _spy(decoder: WanVAEDecoder) -> list:
@@ -316,5 +316,7 @@ def test_importing_the_entry_points_does_not_import_fastvideo():
 def test_the_diffusers_room_imports_only_the_decoder_library():
     from test_architecture import NAME, _graph
 
-    targets = _graph()[f"{NAME}.diffusers_decode"]
-    assert targets and all(t.startswith(f"{NAME}.vae_kernel") for t in targets), targets
+    graph = _graph()
+    for module in ("diffusers_route", "diffusers_decode", "diffusers_encode"):
+        targets = graph[f"{NAME}.{module}"] - {f"{NAME}.diffusers_route"}  # the routing both switches share
+        assert targets and all(t.startswith(f"{NAME}.vae_kernel") for t in targets), (module, targets)

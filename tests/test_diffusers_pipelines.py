@@ -41,7 +41,7 @@ def test_pipeline_video_with_the_fast_decoder(layout):
     pipe.vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
                            tile_sample_stride_width=16)
     tiled = _frames(pipe, layout)
-    assert pipe.vae.__dict__["_pan2_fast_decode"]._decoder.last_plan.tile_rows == \
+    assert pipe.vae.__dict__["_pan2_fast_decode"].worker.last_plan.tile_rows == \
         32 // pipe.vae.config.scale_factor_spatial
     if layout not in ENCODES:
         assert torch.equal(tiled, fast)

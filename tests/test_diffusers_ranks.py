@@ -25,7 +25,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     enable_fast_decode(pipe, pg=dist.group.WORLD)
     banded = pipe(**call_kwargs(LAYOUT, HEIGHT, WIDTH)).frames
     banded_np = pipe(**call_kwargs(LAYOUT, HEIGHT, WIDTH, output_type="np")).frames  # post-processing on each
-    ran = pipe.vae.__dict__["_pan2_fast_decode"]._decoder.pg is not None
+    ran = pipe.vae.__dict__["_pan2_fast_decode"].worker.pg is not None
     enable_fast_decode(pipe)  # this rank alone
     alone = pipe(**call_kwargs(LAYOUT, HEIGHT, WIDTH)).frames
     return {"banded": banded, "np_shape": banded_np.shape, "split": ran, "equal_to_alone": torch.equal(banded, alone)}

@@ -131,7 +131,7 @@ def test_a_deepcopy_keeps_the_fast_decoder_and_decodes_its_own_weights():
     twin = copy.deepcopy(vae)
     assert is_fast_decode_enabled(twin) and _state(twin).options == _state(vae).options
     assert torch.equal(_fast(twin, z), video)
-    assert _state(twin)._decoder is not _state(vae)._decoder and _state(twin)._decoder.last_plan.tile_rows == 1
+    assert _state(twin).worker is not _state(vae).worker and _state(twin).worker.last_plan.tile_rows == 1
     with torch.no_grad():
         twin.decoder.conv_out.bias.add_(0.25)
     assert not torch.equal(_fast(twin, z), video)
@@ -150,9 +150,9 @@ def test_torch_save_and_load_keep_the_fast_decoder_with_its_options(decoded_firs
     if video is None:
         video = _fast(vae, z)
     assert torch.equal(_fast(loaded, z), video)
-    plan = _state(loaded)._decoder.last_plan  # the loaded VAE's own decoder ran, sliced, with the options
+    plan = _state(loaded).worker.last_plan  # the loaded VAE's own decoder ran, sliced, with the options
     assert (plan.tile_rows, plan.frames_per_pass) == (1, 2)
-    assert _state(loaded)._decoder is not _state(vae)._decoder
+    assert _state(loaded).worker is not _state(vae).worker
 
 
 def test_a_given_op_table_is_shared_by_a_deepcopy_and_named_when_pickled():
@@ -172,8 +172,8 @@ def _rank_copies(rank: int, world: int, tmp: str) -> dict:
     z = _latents(vae)
     video = _fast(vae, z)
     twin, loaded = copy.deepcopy(vae), _pickled(vae)
-    return {"twin": torch.equal(_fast(twin, z), video), "twin_split": _state(twin)._decoder.pg is not None,
-            "loaded": torch.equal(_fast(loaded, z), video), "loaded_split": _state(loaded)._decoder.pg is not None}
+    return {"twin": torch.equal(_fast(twin, z), video), "twin_split": _state(twin).worker.pg is not None,
+            "loaded": torch.equal(_fast(loaded, z), video), "loaded_split": _state(loaded).worker.pg is not None}
 
 
 @pytest.mark.slow

@@ -131,10 +131,10 @@ def test_diffusers_one_decoder_per_vae_whose_weights_follow_data_edits(z):
     vae = make_wan22_vae(seed=0)
     enable_fast_decode(vae)
     _fast(vae, z)
-    decoder = vae.__dict__["_pan2_fast_decode"]._decoder
+    decoder = vae.__dict__["_pan2_fast_decode"].worker
     _data_edits(vae)
     assert torch.equal(_fast(vae, z), _now(vae).decode(z).float())
-    assert vae.__dict__["_pan2_fast_decode"]._decoder is decoder
+    assert vae.__dict__["_pan2_fast_decode"].worker is decoder
 
 
 def test_fastvideo_route_decodes_the_vae_weights_as_they_are_at_each_decode(z):

@@ -1,0 +1,105 @@
+"""The fast encoder for diffusers' Wan VAE: `enable_fast_encode(target, **options)` / `disable_fast_encode(target)`
+(docs/design.md, "The fast decoder and encoder in diffusers").
+
+`target` is a diffusers `AutoencoderKLWan` or a pipeline whose `.vae` is one (`WanImageToVideoPipeline`, Wan2.1 I2V
+and Wan2.2 TI2V; `WanVideoToVideoPipeline`; `WanVACEPipeline`; ...). After `enable_fast_encode`, the VAE's
+`encode(x, return_dict=True)` returns what diffusers' returns, an `AutoencoderKLOutput(latent_dist=...)` or a 1-tuple,
+whose `DiagonalGaussianDistribution` is diffusers' own, made from moments `vae_kernel.WanVAEEncoder` computes from the
+VAE's weights in the VAE's dtype: so `.mode()`, `.mean`, `.logvar` (clamped) and `.sample(generator)` are diffusers'
+arithmetic on those moments (the same draw for the same generator). The precision is diffusers': an fp32 VAE is
+encoded in fp32 (TF32 where torch's own settings would use it), a bf16 one in bf16, unless `precision` says otherwise.
+What stays diffusers':
+
+- autograd: when grad is enabled and the video or the encoder's parameters require grad, diffusers' own encode runs,
+  so gradients flow (`forward()` too: it calls `encode`);
+- a VAE outside the fast encoder's architecture: diffusers' encode, with one warning;
+- the decode: `enable_fast_encode` routes `encode` only (`enable_fast_decode` routes `decode` only).
+
+diffusers' switches keep their meaning: `enable_slicing()` encodes the batch one element after another (the same
+moments); `enable_tiling()` encodes in exact two-phase tiles of `tile_sample_min_height // spatial_compression_ratio`
+latent rows where diffusers would tile (the same moments as untiled, no seams), unless the options set `tile_rows`
+or `max_memory`, which always apply. Copies keep the switch as the decoder's do (`diffusers_route.Route`).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+from fastvideo_pan2_ext import diffusers_route
+from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
+from fastvideo_pan2_ext.vae_kernel import options as options_mod
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_encoder_config
+from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
+from fastvideo_pan2_ext.vae_kernel.portable import weights
+
+__all__ = ["enable_fast_encode", "disable_fast_encode", "is_fast_encode_enabled", "unsupported_reason"]
+
+
+def _diffusers_would_tile(vae: AutoencoderKLWan, video: torch.Tensor) -> bool:
+    """diffusers' own condition in `_encode`: a side of the patchified video larger than its tile's."""
+    patch = vae.config.patch_size or 1
+    return video.shape[-1] // patch > vae.tile_sample_min_width or video.shape[-2] // patch > \
+        vae.tile_sample_min_height
+
+
+class FastEncode(diffusers_route.Route):
+    """The VAE's `encode` by `WanVAEEncoder` (made from the VAE, it takes any change of the VAE's weights at each
+    encode; made again when the VAE is on another device)."""
+
+    method, attribute, worker_name, input_name, verb = "encode", "_pan2_fast_encode", "encoder", "video", "encoding"
+
+    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
+        return [*vae.encoder.parameters(), *vae.quant_conv.parameters()]
+
+    @classmethod
+    def architecture(cls, vae: AutoencoderKLWan):
+        return infer_encoder_config(weights.state_dict_of(vae, weights.encoder_part(torch.float32)))
+
+    def make(self, vae: AutoencoderKLWan) -> WanVAEEncoder:
+        options = {name: getattr(self.options, name) for name in options_mod.ENCODE_NAMES}
+        return WanVAEEncoder(vae, device=vae.device, **options)
+
+    def smallest_input(self, encoder: WanVAEEncoder) -> tuple[int, ...]:
+        side = encoder.config.spatial_scale
+        return (1, 3, 1, side, side)
+
+    def prepare(self, encoder: WanVAEEncoder, vae: AutoencoderKLWan, video: torch.Tensor) -> None:
+        """The options' tiling (given the encoder when it was made) always; else diffusers' enable_tiling() as exact
+        tiles of its tile height in latent rows."""
+        if not self.options.tiled:
+            encoder.tile_rows = tile_rows_of(vae) if vae.use_tiling and _diffusers_would_tile(vae, video) else None
+
+    def run(self, encoder: WanVAEEncoder, video: torch.Tensor) -> torch.Tensor:
+        return encoder.encode(video)
+
+    def output(self, vae: AutoencoderKLWan, moments: torch.Tensor, return_dict: bool):
+        posterior = DiagonalGaussianDistribution(moments)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    def vae_moved(self, vae: AutoencoderKLWan) -> None:
+        """The encoder (and its prepared weights) is dropped when the VAE's encoder left its device."""
+        if self.worker is not None and next(vae.encoder.parameters()).device != self.worker.device:
+            self.worker = None
+
+
+def enable_fast_encode(target, **options) -> None:
+    """Encode with `target`'s Wan VAE (an AutoencoderKLWan, or a pipeline's `.vae`) by the fast encoder; `options` are
+    `WanVAEEncoder`'s (`vae_kernel.options.ENCODE_OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
+    precision, reuse_steady; a ValueError names a bad one). Calling it again replaces the options."""
+    wan_vae_of(target)
+    diffusers_route.enable(target, FastEncode, options_mod.check(options, part="encode"))
+
+
+def disable_fast_encode(target) -> None:
+    """Restore diffusers' own encode on `target`'s Wan VAE (nothing to do when the fast encoder is not enabled)."""
+    diffusers_route.disable(target, FastEncode)
+
+
+def is_fast_encode_enabled(target) -> bool:
+    return diffusers_route.is_enabled(target, FastEncode)
+
+
+unsupported_reason = FastEncode.unsupported_reason  # why the fast encoder cannot encode a VAE, or None

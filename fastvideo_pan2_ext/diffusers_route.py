@@ -1,0 +1,255 @@
+"""A method of diffusers' Wan VAE routed to this package: what `enable_fast_decode` (`decode` -> `WanVAEDecoder`)
+and `enable_fast_encode` (`encode` -> `WanVAEEncoder`) share (docs/design.md, "The fast decoder and encoder in
+diffusers").
+
+A switch puts two instance attributes on diffusers' `AutoencoderKLWan`: its state (a `Route` subclass, under the
+subclass's `attribute`) and the method itself, `functools.partial(call, vae, method)`; while any route is on, a third,
+`_apply` (what `.to()`, casts and accelerate's offload hooks run), tells each route that the VAE moved. Removing them
+(`disable`) restores diffusers' class methods, bit for bit. Each call (`call`): autograd recording goes to diffusers'
+method (one warning), diffusers' offload hook runs as its `apply_forward_hook` would, the route's worker (made from
+the VAE on the VAE's device) runs, batch element by element under `enable_slicing()`, and the result is wrapped in
+diffusers' return types. A VAE the worker cannot take, or one offloaded layer by layer, runs diffusers' method (one
+warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+import weakref
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from fastvideo_pan2_ext.vae_kernel.portable import passes
+from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def wan_vae_of(target) -> AutoencoderKLWan:
+    """The diffusers AutoencoderKLWan that `target` is or holds as `.vae` (ValueError otherwise)."""
+    vae = target if isinstance(target, AutoencoderKLWan) else getattr(target, "vae", None)
+    if not isinstance(vae, AutoencoderKLWan):
+        what = type(target).__name__ if vae is None else f"{type(target).__name__} whose .vae is {type(vae).__name__}"
+        raise ValueError("target must be a diffusers AutoencoderKLWan or a pipeline whose .vae is one; got " + what)
+    return vae
+
+
+def tile_rows_of(vae: AutoencoderKLWan) -> int:
+    """diffusers' tile height in latent rows (its `tile_latent_min_height`), at least 1."""
+    return max(1, vae.tile_sample_min_height // vae.spatial_compression_ratio)
+
+
+def check_backend(backend) -> None:
+    """`backend="cuda"` refused at the switch where torch sees no GPU (a VAE on the CPU may still run on a GPU later:
+    moved there, or by model offload's hook; what is known now is whether there is one)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ValueError("backend='cuda' runs the compiled kernels on a GPU, but torch sees none here "
+                         "(torch.cuda.is_available() is False): pass backend='auto' or 'torch'")
+
+
+class Route:
+    """One routed method on one VAE: its options, its worker (made from the VAE on first use, on the VAE's device;
+    made again when the VAE is on another device), and the warnings it has given. A subclass says which method it
+    routes and how its worker runs."""
+
+    method = ""  # diffusers' method it replaces: "decode" / "encode"
+    attribute = ""  # the VAE's instance attribute holding the route
+    worker_name = ""  # "decoder" / "encoder", as the warnings name it
+    input_name = ""  # "latents" / "video"
+    verb = ""  # "decoding" / "encoding"
+
+    def __init__(self, options, pg=None, pipeline=None) -> None:
+        self.options, self.pg = options, pg
+        # The pipeline it was enabled on (weakly: the pipeline holds the VAE): its progress_bar shows the worker's.
+        self.pipeline = weakref.ref(pipeline) if pipeline is not None else lambda: None
+        self.worker = None
+        self._warned: set[str] = set()
+
+    @property
+    def switch(self) -> str:
+        return f"enable_fast_{self.method}"
+
+    def __deepcopy__(self, memo) -> Route:
+        """A copied VAE's: the same options and process group; its worker is made from the copy's weights."""
+        return type(self)(self.options, self.pg)
+
+    def __reduce__(self):
+        """Pickled (torch.save) as its options: the loaded VAE makes its worker from its own weights, on one rank (a
+        process group belongs to the job that made it)."""
+        backend = self.options.backend
+        if isinstance(backend, Ops):
+            raise TypeError(f"cannot pickle a VAE whose fast {self.worker_name} runs a given op table (the "
+                            f"{backend.name!r} Ops, functions of this process): enable it with backend 'auto', "
+                            "'cuda' or 'torch' to save it")
+        return type(self), (self.options, None)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            # Attributed to the first caller outside this package (the pipeline's code or the user's).
+            warnings.warn(f"{self.switch}: {message}", skip_file_prefixes=(_PACKAGE_DIR,))
+
+    def fallback(self, key: str, why: str) -> None:
+        """One warning that diffusers' own method runs, and nothing of ours kept on the device."""
+        self.warn_once(key, f"{why}; {self.verb} with diffusers' {self.method}")
+        self.worker = None
+
+    def worker_for(self, vae: AutoencoderKLWan):
+        """The worker for `vae`, or None (after one warning) when diffusers' method runs: outside the architecture,
+        or offloaded layer by layer."""
+        if any(p.device.type == "meta" for p in self.parameters(vae)):  # accelerate's sequential offload
+            self.fallback("sequential", "this AutoencoderKLWan is offloaded layer by layer "
+                                        "(enable_sequential_cpu_offload), so its weights are never on the GPU at once")
+            return None
+        reason = self.unsupported_reason(vae)
+        if reason is not None:
+            self.fallback("unsupported", f"this AutoencoderKLWan is outside the fast {self.worker_name}'s "
+                                         f"architecture ({reason})")
+            return None
+        if self.worker is None or self.worker.device != vae.device:
+            self.worker = self.make(vae)
+        return self.worker
+
+    @classmethod
+    def unsupported_reason(cls, vae: AutoencoderKLWan) -> str | None:
+        """Why the worker cannot take this VAE (diffusers' method then runs), or None when it can."""
+        try:
+            config = cls.architecture(vae)
+        except ValueError as exc:
+            return str(exc)
+        if config.patch_size != (vae.config.patch_size or 1):
+            return (f"its {cls.worker_name}'s weights are for patch size {config.patch_size} (3 x p x p channels) "
+                    f"but its config says patch_size {vae.config.patch_size!r}")
+        return None
+
+    def check_budget(self, vae: AutoencoderKLWan) -> None:
+        """ValueError when the options' `max_memory` cannot serve even the smallest input (checked where the VAE
+        already is on the device it runs on; else the call checks it before any work)."""
+        worker = self.worker_for(vae)
+        if worker is None:
+            return
+        try:
+            worker.plan(self.smallest_input(worker))
+        except ValueError as exc:
+            raise ValueError(f"max_memory={self.options.max_memory!r} is below what any {self.method} needs: "
+                             f"{exc}") from None
+
+    # What a subclass defines ---------------------------------------------------------------------------------------
+
+    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
+        """The VAE's parameters this method computes with."""
+        raise NotImplementedError
+
+    @classmethod
+    def architecture(cls, vae: AutoencoderKLWan):
+        """The worker's architecture read from the VAE's weights (its `.patch_size` among it; ValueError naming what
+        it cannot take)."""
+        raise NotImplementedError
+
+    def make(self, vae: AutoencoderKLWan):
+        """A new worker for `vae`, on the VAE's device, with the options (its `.device`, `.plan(shape)`)."""
+        raise NotImplementedError
+
+    def smallest_input(self, worker) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def prepare(self, worker, vae: AutoencoderKLWan, x: torch.Tensor) -> None:
+        """Per call, before the worker runs: diffusers' switches the options leave to it (`enable_tiling()`)."""
+
+    def run(self, worker, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def output(self, vae: AutoencoderKLWan, result: torch.Tensor, return_dict: bool):
+        """diffusers' return value for `result` (the batch's)."""
+        raise NotImplementedError
+
+    def vae_moved(self, vae: AutoencoderKLWan) -> None:
+        """After `vae._apply` (`.to()`, a cast, an offload hook): nothing of ours stays where the VAE left."""
+
+
+def _autograd_records(x, parameters) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (isinstance(x, torch.Tensor) and x.requires_grad) or any(p.requires_grad for p in parameters)
+
+
+def _progress_bars_of(pipeline, description: str):
+    """The pipeline's own progress bars (diffusers' `progress_bar`, honouring `set_progress_bar_config`), or None."""
+    if not callable(getattr(pipeline, "progress_bar", None)):
+        return None
+
+    def bar(total: int):
+        progress = pipeline.progress_bar(total=total)
+        if not getattr(progress, "desc", ""):  # a disabled tqdm has none
+            progress.set_description(description, refresh=False)
+        return progress
+
+    return bar
+
+
+def call(vae: AutoencoderKLWan, method: str, x: torch.Tensor, return_dict: bool = True):
+    """The VAE's `method` while its route is on (the signature and return types of diffusers')."""
+    route: Route = next(r for r in vae.__dict__.values() if isinstance(r, Route) and r.method == method)
+    diffusers_method = getattr(type(vae), method)
+    if _autograd_records(x, route.parameters(vae)):
+        route.warn_once("autograd", f"autograd is recording through this {method} (grad enabled and the "
+                                    f"{route.input_name} or the VAE's parameters require grad): {route.verb} with "
+                                    f"diffusers' {method} so gradients flow; for the fast {route.worker_name} run it "
+                                    "under torch.no_grad() or call vae.requires_grad_(False)")
+        return diffusers_method(vae, x, return_dict=return_dict)
+    hook = getattr(vae, "_hf_hook", None)  # diffusers' apply_forward_hook: an offloaded VAE moves to its device
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(vae)
+    worker = route.worker_for(vae)
+    if worker is None:
+        return diffusers_method(vae, x, return_dict=return_dict)
+    route.prepare(worker, vae, x)
+    bars = passes.progress_bars.set(_progress_bars_of(route.pipeline(), f"VAE {method}"))
+    try:
+        if vae.use_slicing and x.shape[0] > 1:
+            result = torch.cat([route.run(worker, one) for one in x.split(1)])
+        else:
+            result = route.run(worker, x)
+    finally:
+        passes.progress_bars.reset(bars)
+    return route.output(vae, result, return_dict)
+
+
+def _apply(vae: AutoencoderKLWan, *args, **kwargs):
+    """The VAE's `_apply` while a route is on: diffusers', then each route follows the VAE."""
+    result = type(vae)._apply(vae, *args, **kwargs)
+    for route in [r for r in vae.__dict__.values() if isinstance(r, Route)]:
+        route.vae_moved(vae)
+    return result
+
+
+def enable(target, route_class: type[Route], options, pg=None) -> None:
+    """Route `route_class.method` of `target`'s Wan VAE with the checked `options` (replacing a route of that method
+    already there). What can be known now is refused now, not after the denoise: `backend="cuda"` where torch sees no
+    GPU, and a `max_memory` below what the smallest input needs where the VAE already is on the device it runs on."""
+    vae = wan_vae_of(target)
+    check_backend(options.backend)
+    route = route_class(options, pg, None if target is vae else target)
+    if options.max_memory is not None and (vae.device.type == "cuda" or not torch.cuda.is_available()):
+        route.check_budget(vae)  # else the call checks it before any work
+    vae.__dict__[route.attribute] = route
+    # Partials, not bound methods, so that a copy or a pickled VAE gets them bound to itself (a bound method pickles
+    # by its name, which is diffusers' method).
+    vae.__dict__[route.method] = functools.partial(call, vae, route.method)
+    vae.__dict__["_apply"] = functools.partial(_apply, vae)
+
+
+def disable(target, route_class: type[Route]) -> None:
+    """Restore diffusers' own `route_class.method` on `target`'s Wan VAE (nothing to do when it is not routed)."""
+    vae = wan_vae_of(target)
+    vae.__dict__.pop(route_class.attribute, None)
+    vae.__dict__.pop(route_class.method, None)
+    if not any(isinstance(r, Route) for r in vae.__dict__.values()):
+        vae.__dict__.pop("_apply", None)
+
+
+def is_enabled(target, route_class: type[Route]) -> bool:
+    return isinstance(wan_vae_of(target).__dict__.get(route_class.attribute), route_class)
