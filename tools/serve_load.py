@@ -7,7 +7,8 @@ the server's whole session is stopped at the end, whatever happened.
                                          [--out bench/results/X.json]
 
 `--replicas N`: the same server scaled out (`server.replicas: N`, Ray Serve); each request's job gets its own session
-header, and every job's requests are checked to have reached one replica.
+header, the sessions chosen so that the requests are dealt to the replicas in turn (Ray spreads real sessions by
+their hash, less evenly), and every job's requests are checked to have reached one replica.
 
 Stands in for `fastvideo bench`, which looks the model id up on the hub and polls a wedged job forever.
 """
@@ -114,7 +115,9 @@ class Server:
         return self.client.post("/v1/videos", json=body)
 
     def job(self, job_id: str) -> dict:
-        return self.client.get(f"/v1/videos/{job_id}").json()
+        response = self.client.get(f"/v1/videos/{job_id}")
+        assert response.status_code == 200, f"GET /v1/videos/{job_id}: {response.status_code} {response.text}"
+        return response.json()
 
     def wait(self, job_id: str, until=("completed", "failed"), timeout_s: float = 240) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -164,6 +167,32 @@ class Server:
 def submit(server: Server, image: Path, seed: int):
     """One tiny request; its prompt and seed say which video it is."""
     return server.submit(image, prompt=f"a cat, take {seed}", size=SIZE, num_frames=FRAMES, seed=seed)
+
+
+def sessions_by_replica(server: Server, wanted: int) -> dict[str, list[str]]:
+    """Session ids that a scaled-out `server` routes to each of its replicas, `wanted` for each (found by asking, a
+    bounded number of times: the ring is Ray's)."""
+    found: dict[str, list[str]] = {}
+    for n in range(max(64, 8 * wanted * server.replicas)):
+        client = server.session(f"client-{n}")
+        try:
+            response = client.client.get("/v1/videos")
+        finally:
+            client.client.close()
+        if response.status_code != 200:
+            raise RuntimeError(f"GET /v1/videos: {response.status_code} {response.text}")
+        found.setdefault(client.replicas_seen[0], []).append(f"client-{n}")
+        if len(found) == server.replicas and all(len(keys) >= wanted for keys in found.values()):
+            return found
+    raise RuntimeError(f"no {wanted} sessions for each of {server.replicas} replicas: {found}")
+
+
+def dealt_sessions(server: Server, seeds) -> dict:
+    """A session for each seed, the seeds dealt to the replicas in turn."""
+    seeds = list(seeds)
+    per_replica = -(-len(seeds) // server.replicas)
+    groups = [keys[:per_replica] for keys in sessions_by_replica(server, per_replica).values()]
+    return dict(zip(seeds, [key for turn in zip(*groups) for key in turn]))
 
 
 def load(server: Server, image: Path, seeds, concurrency: int, timeout_s: float = 1800,
@@ -235,7 +264,8 @@ def main() -> None:
         server = Server(serve_config(tmp, args.checkpoint.resolve(), **({"replicas": args.replicas} if args.replicas
                                                                         else {})), startup_s=600)
         try:
-            runs = [load(server, image, range(args.requests), c) for c in args.concurrency]
+            sessions = dealt_sessions(server, range(args.requests)) if args.replicas else None
+            runs = [load(server, image, range(args.requests), c, sessions=sessions) for c in args.concurrency]
         finally:
             server.kill()
     serial = next((r for r in runs if r["concurrency"] == 1), runs[0])
