@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up, safe to run again: a Python 3.12 virtual environment in .venv with this package (editable, with
-# its test extra) and the real FastVideo 0.2.1. A second run with unchanged inputs returns in about a second.
+# its test and serve extras) and the real FastVideo 0.2.1. A second run with unchanged inputs returns in about a
+# second.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -37,7 +38,8 @@ start=$(date +%s)
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 # setuptools tells every editable install with mapped folders to beware of same-named folders in the working
 # directory; here that folder is the package itself (fastvideo_pan2_ext/ links the rooms), so the notice is noise.
-PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install --quiet -e ".[test]" "fastvideo==0.2.1"
+PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install --quiet -e ".[test,serve]" \
+    "fastvideo==0.2.1"
 
 # `import fastvideo` has two upstream breakers (README, "Set-up notes"). Each package is removed only when importing
 # it fails on this machine, so GPU machines and fixed upstream releases keep it.

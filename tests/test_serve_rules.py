@@ -1,5 +1,5 @@
-"""The PAN2 server's rules that need no model: `seconds` to frames, the serving options, and a bad serve config
-refused in one line before any model loads (the real `fastvideo serve` command)."""
+"""The PAN2 server's rules that need no model: `seconds` to frames, the serving and scale-out options, and a bad serve
+config refused in one line before any model loads (the real `fastvideo serve` command)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 from _pan2_helpers import OFFLINE, run
 from _serve_helpers import EXAMPLE_CONFIG, FASTVIDEO
 
-from fastvideo_pan2_ext.integration.serving import ServingRules, frames_for_seconds
+from fastvideo_pan2_ext.integration.serving import Replicas, ServingRules, frames_for_seconds
 
 
 @pytest.mark.parametrize("seconds, fps, frames", [(4, 24, 97), (1, 8, 9), (5, 24, 121), (1, 1, 1), (2, 3, 5)])
@@ -35,16 +35,28 @@ def test_the_serving_options_are_checked(tmp_path):
             ServingRules.from_config(str(tmp_path), upload_retention_s=bad)
 
 
+def test_the_scale_out_options_are_checked():
+    assert Replicas() == Replicas(None, None) and Replicas(2, "auto").replicas == 2
+    for bad in (0, -1, "2", 2.0, True):
+        with pytest.raises(ValueError, match=f"server.replicas must be a whole number >= 1; got {bad!r}"):
+            Replicas(bad)
+    with pytest.raises(ValueError, match="server.ray_address must be a Ray address"):
+        Replicas(2, "")
+    with pytest.raises(ValueError, match="server.ray_address places replicas: set server.replicas too"):
+        Replicas(None, "auto")
+
+
 @pytest.mark.slow
 def test_a_bad_serve_config_is_one_line_before_any_model_loads(tiny_ckpt, tmp_path):
     config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     config["generator"]["model_path"] = str(tiny_ckpt)
     config["server"]["output_dir"] = str(tmp_path / "out")
     cases = {"pan3": ("pipeline", "pan3", "unknown pipeline 'pan3'; known pipelines: pan2"),
-             "not a checkpoint": ("model_path", str(tmp_path), "not a PAN2 checkpoint")}
+             "not a checkpoint": ("model_path", str(tmp_path), "not a PAN2 checkpoint"),
+             "no replica": ("replicas", 0, "server.replicas must be a whole number >= 1; got 0")}
     for case, (key, value, words) in cases.items():
         bad = yaml.safe_load(yaml.safe_dump(config))
-        (bad if key == "pipeline" else bad["generator"])[key] = value
+        {"pipeline": bad, "model_path": bad["generator"], "replicas": bad["server"]}[key][key] = value
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump(bad))
         proc = run([str(FASTVIDEO), "serve", "--config", str(path)], env_extra=OFFLINE, timeout=300)

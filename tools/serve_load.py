@@ -3,7 +3,12 @@ example config pointed at a checkpoint, loopback only): requests per minute at c
 the ratio to serial, every video checked against its serial run by content. Every loop is bounded in count and time;
 the server's whole session is stopped at the end, whatever happened.
 
-    .venv/bin/python tools/serve_load.py CHECKPOINT [--requests 8] [--concurrency 1 4] [--out bench/results/X.json]
+    .venv/bin/python tools/serve_load.py CHECKPOINT [--requests 8] [--concurrency 1 4] [--replicas N]
+                                         [--out bench/results/X.json]
+
+`--replicas N`: the same server scaled out (`server.replicas: N`, Ray Serve); each request's job gets its own session
+header, the sessions chosen so that the requests are dealt to the replicas in turn (Ray spreads real sessions by
+their hash, less evenly), and every job's requests are checked to have reached one replica.
 
 Stands in for `fastvideo bench`, which looks the model id up on the hub and polls a wedged job forever.
 """
@@ -11,7 +16,9 @@ Stands in for `fastvideo bench`, which looks the model id up on the hub and poll
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
+import copy
 import datetime
 import hashlib
 import json
@@ -33,6 +40,9 @@ FASTVIDEO = Path(sys.executable).parent / "fastvideo"
 EXAMPLE_CONFIG = REPO / "configs" / "serve_pan2.yaml"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 SIZE, FRAMES, STEPS = "96x64", 9, 2  # the tiny request: 3 latent frames, one 64x96 first frame
+# A scaled-out server (fastvideo_pan2_ext.integration.scale_out, which a client does not import): the header that
+# routes a job's requests to its replica, the header that names the replica, the line that says all are ready.
+SESSION_HEADER, REPLICA_HEADER, REPLICAS_READY = "x-session-id", "x-serve-replica", "replicas ready behind"
 
 
 def free_port() -> int:
@@ -55,12 +65,15 @@ def serve_config(folder: Path, checkpoint: Path, **server) -> Path:
 
 
 class Server:
-    """`fastvideo serve --config CONFIG` in a session of its own, its output in `log`."""
+    """`fastvideo serve --config CONFIG` in a session of its own, its output in `log`; scaled out when the config says
+    `server.replicas` (then ready once every replica is)."""
 
     def __init__(self, config: Path, startup_s: float = 300, env: dict | None = None) -> None:
         self.config = yaml.safe_load(config.read_text())
         self.url = f"http://127.0.0.1:{self.config['server']['port']}"
         self.output_dir = Path(self.config["server"]["output_dir"])
+        self.replicas = self.config["server"].get("replicas")
+        self.replicas_seen: list[str | None] = []  # a session's: the replica of each response
         self.log = config.parent / "server.log"
         env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log, "w") as log:
@@ -71,7 +84,8 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}):\n{self.output()[-4000:]}"
             try:
-                if self.client.get("/health").status_code == 200:
+                if self.client.get("/health").status_code == 200 and (not self.replicas or
+                                                                     REPLICAS_READY in self.output()):
                     return
             except httpx.TransportError:
                 pass
@@ -81,6 +95,15 @@ class Server:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def session(self, key: str) -> Server:
+        """This server as one client sees it that sends `key` as its session header with every request (close it
+        with `.client.close()`); `replicas_seen` collects the replica each response names."""
+        view = copy.copy(self)
+        view.replicas_seen = []
+        view.client = httpx.Client(base_url=self.url, timeout=30, headers={SESSION_HEADER: key}, event_hooks={
+            "response": [lambda response: view.replicas_seen.append(response.headers.get(REPLICA_HEADER))]})
+        return view
 
     def submit(self, image: Path | None = None, **fields) -> httpx.Response:
         """POST /v1/videos as multipart (the image as input_reference, if any)."""
@@ -92,7 +115,9 @@ class Server:
         return self.client.post("/v1/videos", json=body)
 
     def job(self, job_id: str) -> dict:
-        return self.client.get(f"/v1/videos/{job_id}").json()
+        response = self.client.get(f"/v1/videos/{job_id}")
+        assert response.status_code == 200, f"GET /v1/videos/{job_id}: {response.status_code} {response.text}"
+        return response.json()
 
     def wait(self, job_id: str, until=("completed", "failed"), timeout_s: float = 240) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -144,27 +169,67 @@ def submit(server: Server, image: Path, seed: int):
     return server.submit(image, prompt=f"a cat, take {seed}", size=SIZE, num_frames=FRAMES, seed=seed)
 
 
-def load(server: Server, image: Path, seeds, concurrency: int, timeout_s: float = 1800) -> dict:
+def sessions_by_replica(server: Server, wanted: int) -> dict[str, list[str]]:
+    """Session ids that a scaled-out `server` routes to each of its replicas, `wanted` for each (found by asking, a
+    bounded number of times: the ring is Ray's)."""
+    found: dict[str, list[str]] = {}
+    for n in range(max(64, 8 * wanted * server.replicas)):
+        client = server.session(f"client-{n}")
+        try:
+            response = client.client.get("/v1/videos")
+        finally:
+            client.client.close()
+        if response.status_code != 200:
+            raise RuntimeError(f"GET /v1/videos: {response.status_code} {response.text}")
+        found.setdefault(client.replicas_seen[0], []).append(f"client-{n}")
+        if len(found) == server.replicas and all(len(keys) >= wanted for keys in found.values()):
+            return found
+    raise RuntimeError(f"no {wanted} sessions for each of {server.replicas} replicas: {found}")
+
+
+def dealt_sessions(server: Server, seeds) -> dict:
+    """A session for each seed, the seeds dealt to the replicas in turn."""
+    seeds = list(seeds)
+    per_replica = -(-len(seeds) // server.replicas)
+    groups = [keys[:per_replica] for keys in sessions_by_replica(server, per_replica).values()]
+    return dict(zip(seeds, [key for turn in zip(*groups) for key in turn]))
+
+
+def load(server: Server, image: Path, seeds, concurrency: int, timeout_s: float = 1800,
+         sessions: dict | None = None) -> dict:
     """One video per seed, submitted by `concurrency` clients, each waiting for its video. -> wall time, requests per
-    minute, the median latency, and each video's sha256 by seed."""
+    minute, the median latency, and each video's sha256 by seed. A scaled-out server: each seed's requests carry its
+    session (`sessions[seed]`, else "seed-<seed>"), must all reach one replica, and `replica_by_seed` says which."""
     seeds = list(seeds)
 
     def one(seed: int):
-        start = time.monotonic()
-        job_id = submit(server, image, seed).json()["id"]
-        job = server.wait(job_id, timeout_s=timeout_s)
-        if job["status"] != "completed":
-            raise RuntimeError(f"job {job_id} (seed {seed}) {job['status']}: {job.get('error')}")
-        return seed, time.monotonic() - start, server.content_sha256(job_id)
+        client = server.session((sessions or {}).get(seed, f"seed-{seed}")) if server.replicas else server
+        try:
+            start = time.monotonic()
+            job_id = submit(client, image, seed).json()["id"]
+            job = client.wait(job_id, timeout_s=timeout_s)
+            if job["status"] != "completed":
+                raise RuntimeError(f"job {job_id} (seed {seed}) {job['status']}: {job.get('error')}")
+            sha = client.content_sha256(job_id)
+            if len(set(client.replicas_seen)) > 1:
+                raise RuntimeError(f"job {job_id} (seed {seed}): its requests reached replicas {client.replicas_seen}")
+            return seed, time.monotonic() - start, sha, (client.replicas_seen or [None])[0]
+        finally:
+            if client is not server:
+                client.client.close()
 
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         done = list(pool.map(one, seeds))
     wall = time.monotonic() - start
-    return {"requests": len(seeds), "concurrency": concurrency, "wall_s": round(wall, 2),
-            "requests_per_min": round(60 * len(seeds) / wall, 2),
-            "latency_s_median": round(statistics.median(d[1] for d in done), 2),
-            "sha256_by_seed": {seed: sha for seed, _, sha in done}}
+    result = {"requests": len(seeds), "concurrency": concurrency, "wall_s": round(wall, 2),
+              "requests_per_min": round(60 * len(seeds) / wall, 2),
+              "latency_s_median": round(statistics.median(d[1] for d in done), 2),
+              "sha256_by_seed": {seed: sha for seed, _, sha, _ in done}}
+    if server.replicas:
+        result["replica_by_seed"] = {seed: replica for seed, _, _, replica in done}
+        result["requests_by_replica"] = dict(collections.Counter(result["replica_by_seed"].values()))
+    return result
 
 
 def first_frame(path: Path, width: int = 192, height: int = 128) -> Path:
@@ -190,14 +255,17 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--replicas", type=int, default=None, help="scale the server out (server.replicas)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         image = first_frame(tmp / "first_frame.jpg")
-        server = Server(serve_config(tmp, args.checkpoint.resolve()))
+        server = Server(serve_config(tmp, args.checkpoint.resolve(), **({"replicas": args.replicas} if args.replicas
+                                                                        else {})), startup_s=600)
         try:
-            runs = [load(server, image, range(args.requests), c) for c in args.concurrency]
+            sessions = dealt_sessions(server, range(args.requests)) if args.replicas else None
+            runs = [load(server, image, range(args.requests), c, sessions=sessions) for c in args.concurrency]
         finally:
             server.kill()
     serial = next((r for r in runs if r["concurrency"] == 1), runs[0])
@@ -209,7 +277,7 @@ def main() -> None:
               "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},
               "request": {"size": SIZE, "num_frames": FRAMES, "num_inference_steps": STEPS},
-              "runs": runs}
+              "replicas": args.replicas, "runs": runs}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

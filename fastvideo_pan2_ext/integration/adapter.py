@@ -159,6 +159,8 @@ SEAMS = (
 SERVE_SEAMS = (
     Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
          mentions="create_app("),
+    Seam("fastvideo.entrypoints.openai.api_server", "_validate_default_request_against_preset", "a scaled-out PAN2 "
+         "server checks its default_request as run_server does, before any replica starts"),
     Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
          "'ok', even with its workers dead), and its /v1/images routes are not served (they run the generator "
          "outside PAN2's checks and its one-job-at-a-time queue)", replaced=True),
@@ -453,9 +455,39 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
     kwargs)` (a coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
     and `stopped()` called after FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing runs later).
     Returns when the server stops."""
+    from fastvideo.api.compat import generator_config_to_fastvideo_args
+    from fastvideo.entrypoints.openai import api_server
+
+    _replace_server_parts(check_request, run_job, health, stopped)
+    server = config.server
+    api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
+                          output_dir=server.output_dir, default_request=config.default_request)
+
+
+def video_server_app(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable):
+    """The ASGI app `run_video_server` serves (the same replacements), for an engine that runs apps itself (a Ray
+    Serve replica): the model loads in its lifespan's startup, `stopped()` runs after its shutdown. Check
+    `config.default_request` first (`check_default_request`), as FastVideo's run_server does."""
+    from fastvideo.api.compat import generator_config_to_fastvideo_args
+    from fastvideo.entrypoints.openai import api_server
+
+    _replace_server_parts(check_request, run_job, health, stopped)
+    return api_server.create_app(generator_config_to_fastvideo_args(config.generator),
+                                 output_dir=config.server.output_dir, default_request=config.default_request)
+
+
+def check_default_request(config) -> None:
+    """FastVideo's start-up check of a serve config's `default_request` against the model's preset."""
+    from fastvideo.entrypoints.openai import api_server
+
+    if config.default_request is not None:
+        api_server._validate_default_request_against_preset(config.default_request, config.generator.model_path)
+
+
+def _replace_server_parts(check_request: Callable, run_job: Callable, health: Callable, stopped: Callable) -> None:
+    """The replacements of `run_video_server`, in this process's FastVideo server modules."""
     import contextlib
 
-    from fastvideo.api.compat import generator_config_to_fastvideo_args
     from fastvideo.entrypoints.openai import api_server, video_api
 
     build = video_api._build_generation_kwargs
@@ -490,9 +522,6 @@ def run_video_server(config, *, check_request: Callable, run_job: Callable, heal
         return create_app
 
     _once(api_server, "create_app", make)
-    server = config.server
-    api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
-                          output_dir=server.output_dir, default_request=config.default_request)
 
 
 def _unserved(route) -> bool:

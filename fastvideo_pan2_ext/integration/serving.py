@@ -18,15 +18,19 @@ FastVideo 0.2.1's REST server (``POST /v1/videos``, ``GET /v1/videos/{id}/conten
 - The video is saved while it is decoded (`streamed_save`): the request asks for no frames back.
 - Stopping (Ctrl-C, SIGTERM): after FastVideo's shutdown the workers are stopped, partial videos and the jobs'
   uploads removed.
+- ``server.replicas: N`` runs N such servers behind one entry point on Ray Serve (`scale_out`): each replica is
+  this server's app (`served_app`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,6 +72,28 @@ class ServingRules:
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(ServingRules) if f.name != "output_dir")  # keys of `server:`
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """`server.replicas` (None: one server, no Ray) and `server.ray_address` (None: a Ray instance of the command's
+    own on this machine; "auto" or HOST:PORT: a running Ray cluster to place the replicas on)."""
+
+    replicas: int | None = None
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
+                                          or self.replicas < 1):
+            raise ValueError(f"server.replicas must be a whole number >= 1; got {self.replicas!r}")
+        if self.ray_address is not None and not (isinstance(self.ray_address, str) and self.ray_address):
+            raise ValueError(f"server.ray_address must be a Ray address (\"auto\", HOST:PORT); got "
+                             f"{self.ray_address!r}")
+        if self.ray_address is not None and self.replicas is None:
+            raise ValueError("server.ray_address places replicas: set server.replicas too")
+
+
+SCALE_OUT_OPTIONS = tuple(f.name for f in dataclasses.fields(Replicas))  # keys of `server:`
 
 
 def frames_for_seconds(seconds, fps) -> int:
@@ -218,12 +244,19 @@ class PAN2Server:
     async def health(self):
         from fastapi.responses import JSONResponse
 
+        reason = self.unhealthy()
+        if reason:
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return {"status": "ok"}
+
+    @staticmethod
+    def unhealthy() -> str | None:
+        """Why no request can be served (a worker process is gone), or None."""
         procs = adapter.worker_processes(adapter.served_generator())
         dead = [p.pid for p in procs if not p.is_alive()]
         if not procs or dead:
-            return JSONResponse({"status": "unhealthy", "reason": f"worker process(es) {dead or 'none'} not running: "
-                                 "no request can be served; restart the server"}, status_code=503)
-        return {"status": "ok"}
+            return f"worker process(es) {dead or 'none'} not running: no request can be served; restart the server"
+        return None
 
     def stopped(self) -> None:
         """After FastVideo's shutdown: no worker, no partial video, no video of a job that did not end, no upload left
@@ -250,12 +283,44 @@ def _add_arguments(parser) -> None:
 def _pan2_serve_config(raw: dict):
     server = raw["server"]
     options = {name: server.pop(name) for name in OPTIONS if name in server}
+    replicas = Replicas(**{name: server.pop(name) for name in SCALE_OUT_OPTIONS if name in server})
     server.setdefault("host", LOOPBACK)
     cli.select_pan2(raw["generator"])
     config = adapter.validated_serve_config(raw)
     rules = ServingRules.from_config(config.server.output_dir, **options)
-    apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
-    return config, rules
+    if replicas.replicas is not None:
+        _scale_out()  # Ray Serve is there
+        adapter.check_default_request(config)  # before any replica loads a model
+        # The replicas run in Ray's working folder: the paths are this command's.
+        config.server.output_dir = str(rules.output_dir)
+        if os.path.exists(config.generator.model_path):
+            config.generator.model_path = os.path.abspath(config.generator.model_path)
+    else:
+        apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
+    return config, rules, replicas
+
+
+def _scale_out():
+    """The `scale_out` module, or a ValueError saying how to install what it needs."""
+    try:
+        from . import scale_out
+    except ImportError as exc:
+        raise ValueError(f"server.replicas runs the replicas on Ray Serve, which is not installed ({exc}): "
+                         "pip install 'fastvideo-pan2-ext[serve]'") from None
+    return scale_out
+
+
+def served_app(config, rules: ServingRules):
+    """What each replica of a scaled-out server runs (`scale_out`), in its own process: a PAN2 server's ASGI app for
+    `config` (the model loads in its lifespan) and its `unhealthy()` check. The rules are checked again here (this
+    replica's machine must have the folders)."""
+    rules = ServingRules.from_config(str(rules.output_dir), str(rules.input_dir) if rules.input_dir else None,
+                                     rules.upload_retention_s)
+    apply_fa4_policy()  # in the replica, so the workers it spawns inherit the decision
+    server = PAN2Server(rules)
+    app = adapter.video_server_app(config, check_request=server.check_request, run_job=server.run_job,
+                                   health=server.health, stopped=server.stopped)
+    return app, server.unhealthy
 
 
 def _validate(args, fastvideo_validate) -> None:
@@ -269,20 +334,31 @@ def _validate(args, fastvideo_validate) -> None:
         if name != PIPELINE_NAME:
             cli.fail("serve", f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
         adapter.check_serving()
-        config, rules = _pan2_serve_config(raw)
+        config, rules, replicas = _pan2_serve_config(raw)
     except (ValueError, OSError, adapter.IncompatibleFastVideo) as exc:
         cli.fail("serve", exc)
     adapter.hand_serve_config_to_serve(args, config)
-    setattr(args, _SERVING, rules)
+    setattr(args, _SERVING, (rules, replicas))
 
 
 def _run(args, fastvideo_run) -> None:
-    rules = getattr(args, _SERVING, None)
+    rules, replicas = getattr(args, _SERVING, (None, None))
     if rules is None:
         return fastvideo_run(args)
+    config = adapter.validated_serve_config_of(args)
+    if replicas.replicas is not None:
+        scale_out = _scale_out()
+        try:
+            scale_out.run(functools.partial(served_app, config, rules), replicas=replicas.replicas,
+                          gpus_per_replica=config.generator.engine.num_gpus, host=config.server.host,
+                          port=config.server.port, ray_address=replicas.ray_address)
+        except scale_out.StartFailed as exc:
+            print(f"fastvideo serve: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        return
     server = PAN2Server(rules)
     try:
-        adapter.run_video_server(adapter.validated_serve_config_of(args), check_request=server.check_request,
+        adapter.run_video_server(config, check_request=server.check_request,
                                  run_job=server.run_job, health=server.health, stopped=server.stopped)
     finally:  # a second Ctrl-C skips FastVideo's shutdown (uvicorn's forced exit)
         server.stopped()
