@@ -1,8 +1,8 @@
-"""PAN2 image-to-video for FastVideo, with a fast Wan VAE decoder.
+"""PAN2 image-to-video for FastVideo, with a fast Wan VAE decoder and encoder.
 
 Rooms (docs/design.md, "Rooms"): `plugin_loader` (FastVideo plugins, generic), `integration` (PAN2 in FastVideo: the
 one seam to FastVideo's internals, registration, CLI, pipeline and stages), `demo` (demos and the tiny checkpoint
-maker), `configs`, `attention`, `vae_kernel` (the decoder library, usable without FastVideo), `reference` (the
+maker), `configs`, `attention`, `vae_kernel` (the decoder and encoder library, usable without FastVideo), `reference` (the
 definition of results), `image` and `video_io`, and `diffusers_decode` / `diffusers_encode` (the fast decoder and
 encoder for diffusers' Wan VAE: `enable_fast_decode` / `enable_fast_encode` and their `disable_`s, on the routing
 they share, `diffusers_route`).
@@ -15,7 +15,7 @@ from fastvideo_pan2_ext.version import __version__
 
 __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "DecodeFailed", "register", "enable_fast_decode",
            "disable_fast_decode", "is_fast_decode_enabled", "enable_fast_encode", "disable_fast_encode",
-           "is_fast_encode_enabled", "WanVAEDecoder", "__version__"]
+           "is_fast_encode_enabled", "WanVAEDecoder", "WanVAEEncoder", "__version__"]
 
 
 def register() -> None:
@@ -46,8 +46,8 @@ def __getattr__(name: str):
         from fastvideo_pan2_ext import diffusers_encode
 
         return getattr(diffusers_encode, name)
-    if name == "WanVAEDecoder":  # the decoder library; neither FastVideo nor diffusers is imported
-        from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+    if name in ("WanVAEDecoder", "WanVAEEncoder"):  # the VAE library; neither FastVideo nor diffusers is imported
+        from fastvideo_pan2_ext import vae_kernel
 
-        return WanVAEDecoder
+        return getattr(vae_kernel, name)
     raise AttributeError(f"module 'fastvideo_pan2_ext' has no attribute {name!r}")
