@@ -16,8 +16,8 @@ What stays diffusers':
 - the decode: `enable_fast_encode` routes `encode` only (`enable_fast_decode` routes `decode` only).
 
 diffusers' switches keep their meaning: `enable_slicing()` encodes the batch one element after another (the same
-moments); `enable_tiling()` encodes in exact two-phase tiles of `tile_sample_min_height // spatial_compression_ratio`
-latent rows where diffusers would tile (the same moments as untiled, no seams), unless the options set `tile_rows`
+moments); `enable_tiling()` encodes in exact two-phase tiles of diffusers' encode tile height in latent rows
+(`tile_sample_min_height` patchified rows: `diffusers_route.tile_rows_of`) where diffusers would tile (the same moments as untiled, no seams), unless the options set `tile_rows`
 or `max_memory`, which always apply. Copies keep the switch as the decoder's do (`diffusers_route.Route`).
 """
 
@@ -70,7 +70,8 @@ class FastEncode(diffusers_route.Route):
         """The options' tiling (given the encoder when it was made) always; else diffusers' enable_tiling() as exact
         tiles of its tile height in latent rows."""
         if not self.options.tiled:
-            encoder.tile_rows = tile_rows_of(vae) if vae.use_tiling and _diffusers_would_tile(vae, video) else None
+            would = vae.use_tiling and _diffusers_would_tile(vae, video)
+            encoder.tile_rows = tile_rows_of(vae, encode=True) if would else None
 
     def run(self, encoder: WanVAEEncoder, video: torch.Tensor) -> torch.Tensor:
         return encoder.encode(video)

@@ -37,9 +37,11 @@ def wan_vae_of(target) -> AutoencoderKLWan:
     return vae
 
 
-def tile_rows_of(vae: AutoencoderKLWan) -> int:
-    """diffusers' tile height in latent rows (its `tile_latent_min_height`), at least 1."""
-    return max(1, vae.tile_sample_min_height // vae.spatial_compression_ratio)
+def tile_rows_of(vae: AutoencoderKLWan, encode: bool = False) -> int:
+    """diffusers' tile height in latent rows (its `tile_latent_min_height`), at least 1. Its encode tiles the
+    patchified video, so there a tile is `tile_sample_min_height` patchified rows (Wan2.2: twice the decode's)."""
+    ratio = vae.spatial_compression_ratio // ((vae.config.patch_size or 1) if encode else 1)
+    return max(1, vae.tile_sample_min_height // ratio)
 
 
 def check_backend(backend) -> None:

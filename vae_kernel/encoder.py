@@ -44,15 +44,10 @@ def _vae_dtype(vae_or_state_dict) -> torch.dtype:
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
 
 
-def _encoder_ops(backend, device: torch.device) -> Ops:
-    """The encoder's op table: the portable one, or one given. The compiled kernels are verified for the decoder's
-    convs only, so backend="cuda" is refused until their self-check covers the encoder's."""
-    if isinstance(backend, Ops):
-        return backend
-    if backend == "cuda":
-        raise RuntimeError("the compiled CUDA kernels do not serve the encoder yet (their self-check covers the "
-                           "decoder's convs): use backend='auto' or 'torch'")
-    return TORCH_OPS
+def _encoder_ops(backend) -> Ops:
+    """The encoder's op table: the portable one, or one given (backend="cuda" is refused by the options' check: the
+    compiled kernels are verified for the decoder's convs only)."""
+    return backend if isinstance(backend, Ops) else TORCH_OPS
 
 
 class WanVAEEncoder:
@@ -66,8 +61,8 @@ class WanVAEEncoder:
 
     `encode(video)` maps a video [B, 3, F, H, W] in [-1, 1] to the moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s,
     W / s] (mean, then logvar before diffusers' clamp), in the VAE's dtype: diffusers'
-    `encode(video).latent_dist.parameters`. `encode_dist(video)` wraps them in diffusers' DiagonalGaussianDistribution
-    (or the class given), so that `.mode()`, `.mean` and `.sample(generator)` draw what diffusers' would.
+    `encode(video).latent_dist.parameters`. `encode_dist(video, cls)` wraps them in `cls` (diffusers' or FastVideo's
+    DiagonalGaussianDistribution), so that `.mode()`, `.mean` and `.sample(generator)` draw what that class would.
 
     Every plan gives the same moments bit for bit at a given precision: frames per pass, tiles, batch samples and
     the steady reuse run the same ops on the same inputs (docs/design.md, "Exact by construction").
@@ -76,10 +71,11 @@ class WanVAEEncoder:
     def __init__(self, vae_or_state_dict, device=None, **options) -> None:
         opts = self.options = options_mod.check(options, part="encode")
         self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
-        self.ops = _encoder_ops(opts.backend, self.device)
+        self.ops = _encoder_ops(opts.backend)
         # The VAE itself is held weakly (a diffusers VAE holds its fast encoder: no reference cycle).
         self._source = weakref.ref(vae_or_state_dict) if isinstance(vae_or_state_dict, torch.nn.Module) else \
             vae_or_state_dict
+        self._last_vae_dtype = _vae_dtype(vae_or_state_dict)
         self.dtype = self._activation_dtype()
         part = weights_mod.encoder_part(self.dtype)
         self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights_mod.checked(vae_or_state_dict, part),
@@ -89,6 +85,7 @@ class WanVAEEncoder:
         if opts.max_memory is not None:
             self.max_memory = memory.parse_bytes(opts.max_memory)
         self._planners: dict[tuple[int, int], memory.EncoderPlanner] = {}
+        self._ceilings: dict[tuple, DecodePlan] = {}  # a shape -> the plan an out-of-memory retry chose: plans stay below
         self.last_plan: DecodePlan | None = None
         self.last_retries: tuple[DecodePlan, ...] = ()
         # stage ("level0", ..., "head") -> the passes at which the latest encode reused its output (first sample).
@@ -99,15 +96,17 @@ class WanVAEEncoder:
         return self._weights.tensors
 
     def _vae(self):
-        vae = self._source() if isinstance(self._source, weakref.ref) else self._source
-        if vae is None:
-            raise ValueError("the VAE this encoder was made from no longer exists")
-        return vae
+        """The VAE (or state dict) this encoder was made from; None once that module no longer exists (the encoder
+        then keeps the weights it prepared, as the decoder does)."""
+        return self._source() if isinstance(self._source, weakref.ref) else self._source
 
     @property
     def vae_dtype(self) -> torch.dtype:
-        """The dtype of the VAE's encoder weights: the moments' dtype."""
-        return _vae_dtype(self._vae())
+        """The dtype of the VAE's encoder weights: the moments' dtype (the last one seen once the VAE is gone)."""
+        vae = self._vae()
+        if vae is not None:
+            self._last_vae_dtype = _vae_dtype(vae)
+        return self._last_vae_dtype
 
     def _activation_dtype(self) -> torch.dtype:
         precision = self.options.precision
@@ -118,7 +117,7 @@ class WanVAEEncoder:
     def _sync(self) -> None:
         """Take any change of the VAE's weights; a VAE cast to another dtype changes the "auto" precision too."""
         dtype = self._activation_dtype()
-        if dtype != self.dtype:
+        if dtype != self.dtype and self._vae() is not None:
             part = weights_mod.encoder_part(dtype)
             self._weights = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part),
                                                        self.device, self.ops.cpu_compute_layout, part)
@@ -128,6 +127,7 @@ class WanVAEEncoder:
         if self._weights.config != self.config or any(p.dtype != self.dtype for p in self._planners.values()):
             self.config = self._weights.config
             self._planners.clear()
+            self._ceilings.clear()
 
     def _planner(self, video_shape) -> memory.EncoderPlanner:
         """The planner for videos of this size (one per remainder of rows and columns past whole latent pixels)."""
@@ -135,7 +135,7 @@ class WanVAEEncoder:
         remainder = (video_shape[3] % s, video_shape[4] % s)
         if remainder not in self._planners:
             self._planners[remainder] = memory.EncoderPlanner(self.weights, self.config, self.device, self.dtype,
-                                                              remainder)
+                                                              remainder, self.options.reuse_steady)
         return self._planners[remainder]
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -146,22 +146,40 @@ class WanVAEEncoder:
         check_video(video, self.config)
         if video.device != self.device:
             raise ValueError(f"video is on {video.device}; this encoder runs on {self.device}")
-        if not bool(torch.isfinite(video).all()):
-            raise ValueError("video contains NaN or Inf")
         frames = video.shape[2]
         kept = 1 + (frames - 1) // 4 * 4
         if kept != frames:
             logger.warning("the VAE encodes 1 + 4k frames: frames %d..%d of %d are dropped (as diffusers does)",
                            kept, frames - 1, frames)
             video = video[:, :, :kept]
+        for frame in video.unbind(2):  # frame by frame: the check's temporaries stay one frame's
+            if not bool(torch.isfinite(frame).all()):
+                raise ValueError("video contains NaN or Inf")
         return video
 
-    def plan(self, video_shape) -> DecodePlan:
+    def _repeats(self, video: torch.Tensor) -> bool:
+        """Whether every frame after the first is the same (image-to-video's zeros, an all-zero video): the input
+        whose passes the steady reuse skips, one latent frame per pass."""
+        tail = video[:, :, 1:]
+        return tail.shape[2] > 4 and torch.equal(tail, tail[:, :, :1].expand_as(tail))
+
+    def plan(self, video_shape, repeats: bool = False) -> DecodePlan:
         """How `encode` encodes a video of `video_shape` now: frames per pass and tile rows (`memory.choose_plan`,
-        in latent frames and rows)."""
+        in latent frames and rows; never above a plan an encode of this shape retried at after running out of
+        memory). `repeats`: every frame after the first is the same, and with the steady reuse on, "auto" then
+        takes one latent frame per pass (the reuse skips a stage's pass only when the pass before had its shape and
+        left it settled: long passes settle late and rarely repeat)."""
         latent = encoded_shape(self.config, tuple(video_shape))
-        return memory.choose_plan(self._planner(video_shape), latent, self.options.frames_per_pass, self.tile_rows,
-                                  False, self.max_memory)
+        fpp = self.options.frames_per_pass
+        if fpp == memory.AUTO and repeats and self.options.reuse_steady:
+            fpp = 1
+        planned = memory.choose_plan(self._planner(video_shape), latent, fpp, self.tile_rows, False,
+                                     self.max_memory)
+        ceiling = self._ceilings.get(self._ceiling_key(video_shape))
+        return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
+
+    def _ceiling_key(self, video_shape) -> tuple:
+        return (*encoded_shape(self.config, tuple(video_shape))[2:], *tuple(video_shape)[3:])
 
     # ---------------------------------------------------------------------------------------------------------------
     # Encoding
@@ -174,7 +192,8 @@ class WanVAEEncoder:
         self._sync()
         video = self._checked(video)
         latent = encoded_shape(self.config, video.shape)
-        plan = self.plan(video.shape)
+        repeats = self.options.frames_per_pass == memory.AUTO and self.options.reuse_steady and self._repeats(video)
+        plan = self.plan(video.shape, repeats)
         tried: list[DecodePlan] = []
         while True:
             self.last_plan = plan
@@ -198,6 +217,7 @@ class WanVAEEncoder:
                     f"smallest included: {'; '.join(map(str, tried))} ({text})", tuple(tried)) from None
             logger.warning("VAE encode ran out of memory at %s; encoding again from the start at %s, the same "
                            "latents (%s)", plan, smaller, text)
+            self._ceilings[self._ceiling_key(video.shape)] = smaller
             plan = smaller
         self.last_retries = tuple(tried)
         return out

@@ -93,8 +93,9 @@ ALL_OPTIONS = (
     Option("conv_algorithm", str, "auto", "the 3x3 spatial convs 'direct', by 'winograd' F(2x2, 3x3), or 'auto' (per "
            "layer, as measured for the GPU; direct elsewhere)", _check_conv_algorithm, applies=("decode",)),
     Option("precision", str, "auto", "what the encode computes in: 'auto' (as diffusers' and FastVideo's own encode "
-           "for the VAE's dtype: fp32 for an fp32 VAE, TF32 where torch's settings allow it; bf16 for a bf16 VAE), "
-           "'fp32' (no TF32), 'bf16'", _check_precision, applies=("encode",)),
+           "for an fp32 VAE: fp32, TF32 where torch's settings allow it; bf16 for a bf16 VAE; fp32 for an fp16 one, "
+           "whose moments come back in fp16; a caller's autocast changes nothing), 'fp32' (no TF32), 'bf16'",
+           _check_precision, applies=("encode",)),
     Option("reuse_steady", bool, True, "reuse a stage's last output when its input and causal history repeat (exact: "
            "image-to-video inputs)", _check_bool, applies=("encode",)),
 )
@@ -162,6 +163,9 @@ def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: 
     for option in table:
         if option.name in values:
             option.check(label(option.name), values[option.name])
+    if part == "encode" and values.get("backend") == "cuda":
+        raise ValueError(f"{label('backend')}='cuda': the compiled CUDA kernels do not serve the encoder yet (their "
+                         "self-check covers the decoder's convs); use 'auto' or 'torch'")
     options = make(**values)
     if options.tile_rows is not None and options.max_memory is not None:
         raise ValueError(f"set {label('tile_rows')} or {label('max_memory')}, not both: the budget picks the tile")

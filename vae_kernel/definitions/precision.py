@@ -8,10 +8,31 @@ import contextlib
 import torch
 
 
+def _fp32_precision_settings() -> list:
+    """torch's per-backend fp32 precision settings (`fp32_precision`: "ieee" or "tf32"; torch 2.9 and later)."""
+    backends = (getattr(torch.backends.cuda, "matmul", None), getattr(torch.backends.cudnn, "conv", None),
+                getattr(torch.backends.cudnn, "rnn", None))
+    return [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
+
+
 @contextlib.contextmanager
 def exact_fp32():
-    """cuDNN convs and matmuls default to TF32 on recent GPUs; inside this block fp32 means fp32."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    """cuDNN convs and matmuls default to TF32 on recent GPUs; inside this block fp32 means fp32. Through the
+    `allow_tf32` flags, or, where the caller set TF32 through torch's per-backend `fp32_precision` settings (after
+    which torch refuses to read those flags), through those."""
+    try:
+        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    except RuntimeError:  # the flags were mixed with the newer settings: use the newer settings alone
+        settings = _fp32_precision_settings()
+        before = [s.fp32_precision for s in settings]
+        for s in settings:
+            s.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for s, value in zip(settings, before):
+                s.fp32_precision = value
+        return
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
         yield

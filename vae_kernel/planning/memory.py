@@ -458,12 +458,13 @@ class MemoryPlanner:
 class EncoderPlanner(MemoryPlanner):
     """The encoder's planner: the same plans and rules, in latent frames and rows (a shape is the moments'
     [B, 2 z_dim, T, h, w]), its replay the encoder's passes (`passes.EncodeRunner` on the meta device, `dtype`
-    activations). The encoder has no streamed form."""
+    activations; with `reuse_steady`, each stage holding its last input and output as a settled one does). The
+    encoder has no streamed form."""
 
     def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype,
-                 remainder: tuple[int, int] = (0, 0)) -> None:
+                 remainder: tuple[int, int] = (0, 0), reuse_steady: bool = False) -> None:
         super().__init__(weights, config, device)
-        self.dtype = dtype
+        self.dtype, self.reuse_steady = dtype, reuse_steady
         self.remainder = remainder  # the video's rows and columns past whole latent pixels (Wan2.1: H = 8h + r)
 
     what = "encode a video into moments"
@@ -480,7 +481,7 @@ class EncoderPlanner(MemoryPlanner):
         video = torch.empty((1, 3, 4 * short - 3, s * height + self.remainder[0], s * width + self.remainder[1]),
                             device=meta)
         runner = EncodeRunner(dry_ops(self.device), self._meta_weights, self.config, meta, self.dtype,
-                              frames_per_pass, reuse_steady=False, progress=False)
+                              frames_per_pass, reuse_steady=self.reuse_steady, progress=False)
         with LiveBytes() as tracker:
             out, _ = runner.encode(video, (1, moments, short, height, width), tile_rows)
             del out

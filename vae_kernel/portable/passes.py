@@ -207,6 +207,8 @@ class EncodeRunner:
                 step = self._pass(state, t0 == 0, tile, tile_memos[-1], index)
                 bottom[:, t0:t1, start:stop] = step.phase1(video[:, :, frames.start:frames.stop, p * a:p * b])
                 progress.update(1)
+            for memo in (tile_memos[-1] or {}).values():  # a finished tile's stages are never run again
+                memo.input = memo.output = None
             del state
         state = DecodeState(self.device, self.dtype)  # phase 2 on whole frames
         for index, (t0, t1) in enumerate(passes):
