@@ -18,4 +18,5 @@ def Server(config: Path) -> serve_load.Server:
     """A test server: every process of it runs the fault injector."""
     return serve_load.Server(config, env={
         "PAN2_TEST_FAULT_PROMPT": FAULT_PROMPT,
+        "TQDM_DELAY": "0",  # a progress bar that is drawn at all is drawn at once
         "PYTHONPATH": os.pathsep.join([str(FAULTS), str(REPO), os.environ.get("PYTHONPATH", "")])})

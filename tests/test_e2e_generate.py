@@ -5,6 +5,7 @@ Python API, with `vae_decode_kernel=True`, whose save is streamed), and the stre
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -31,6 +32,8 @@ def test_cli_generate_pipeline_pan2_writes_video_with_4t_minus_3_frames(tiny_ckp
     assert size == (E2E_WIDTH, E2E_HEIGHT)
     log = proc.stdout + proc.stderr
     assert "PAN2 decode: WanVAEDecoder" not in log  # vae_decode_kernel defaults to False: FastVideo's decode
+    # Its output on pipes: plain lines (the worker's prefix without FastVideo's colour codes).
+    assert "\x1b" not in log and "(Worker pid=" in proc.stdout, log[-3000:]
 
 
 DEMO_SCRIPT = textwrap.dedent("""
@@ -54,11 +57,14 @@ def test_demo_uses_the_python_api_with_decode_kernel_and_the_worker_turns_fa4_on
     stand_in = fake_flash_attn(tmp_path / "stand_in")
     (stand_in / "sitecustomize.py").write_text(SM100)
     out = tmp_path / "demo"
+    path = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
     proc = run([sys.executable, str(script), "--checkpoint", str(tiny_ckpt), "--out", str(out), "--height",
                 str(E2E_HEIGHT), "--width", str(E2E_WIDTH), "--frames", str(E2E_FRAMES), "--steps", "2",
-                "--frames-per-pass", "2"], env_extra={"PYTHONPATH": str(stand_in), **OFFLINE}, cwd=tmp_path)
+                "--frames-per-pass", "2"], env_extra={"PYTHONPATH": path, "TQDM_DELAY": "0", **OFFLINE}, cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
+    # On pipes: plain lines, no colour codes, and no decoder bar (TQDM_DELAY=0 would draw it at once) redrawn with \r.
+    assert "\x1b" not in log and "(Worker pid=" in proc.stdout and "VAE decode:" not in log, log[-3000:]
     video = out / "pan2_demo.mp4"
     assert video_frames_and_size(video) == (E2E_FRAMES, (E2E_WIDTH, E2E_HEIGHT))  # the shipped image is 3:2
     assert (out / "pan2_demo_frames.png").is_file()

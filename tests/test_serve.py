@@ -159,6 +159,14 @@ def test_a_failure_in_the_worker_fails_that_job_only(server, image):
     assert videos and all(not p.name.startswith(".") for p in videos)  # no partial file
 
 
+def test_the_servers_log_is_plain_text(server):
+    """The server's output goes to a file: the worker's prefix without colour codes, and no decoder bar (the test
+    servers run with TQDM_DELAY=0, which would draw it at once)."""
+    log = server.log.read_bytes()
+    assert b"(Worker pid=" in log and b"PAN2 decode: wrote" in log
+    assert b"\x1b" not in log and b"VAE decode:" not in log, log[-3000:]
+
+
 def test_a_dead_worker_is_reported_and_ctrl_c_leaves_nothing(server, image):
     job_id = server.submit(image, prompt="a long one", **LONG_JOB).json()["id"]
     server.wait(job_id, until=("in_progress",), timeout_s=120)

@@ -27,6 +27,7 @@ checkpoint is only for tests and the demo: its videos are noise-like by design.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -82,12 +83,26 @@ def _make_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordPieceTrainer(vocab_size=256, special_tokens=["<pad>", "</s>", "<unk>"])
+    trainer = trainers.WordPieceTrainer(vocab_size=256, special_tokens=["<pad>", "</s>", "<unk>"],
+                                       show_progress=False)  # its bars print blank lines into a log
     tok.train_from_iterator([line for line in _CORPUS if line], trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                                    model_max_length=512)
     fast.save_pretrained(out / "tokenizer")
     return tok.get_vocab_size()
+
+
+@contextlib.contextmanager
+def _no_transformers_bar():
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "pan2") -> Path:
@@ -113,7 +128,8 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "pan2
                              feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     text_encoder = UMT5EncoderModel(text_config)
     _seeded_fill(text_encoder, generator)
-    text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
+    with _no_transformers_bar():  # its "Writing model shards" bar, for one tiny shard, says nothing
+        text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
 
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                         in_channels=latent_channels, out_channels=latent_channels, text_dim=TEXT_DIM,

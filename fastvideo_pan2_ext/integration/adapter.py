@@ -153,7 +153,17 @@ SEAMS = (
          "GPU-less machine 'cuda' means CPU autocast (the same mixed precision on the device that exists)",
          replaced=True),
     Seam("torch", "cuda.synchronize", "CPU only: FASTVIDEO_STAGE_LOGGING=1 synchronizes after every stage, which "
-         "raises without CUDA; with no CUDA device there is nothing to wait for", replaced=True),)
+         "raises without CUDA; with no CUDA device there is nothing to wait for", replaced=True),
+    Seam("fastvideo.utils", "_add_prefix", "a worker prefixes each line of its stdout and stderr with its name in "
+         "colour codes, whatever the stream is (a file, a pipe): wrapped so that only a terminal gets them",
+         replaced=True, mentions="{CYAN}("),
+    Seam("fastvideo.utils", "CYAN", "... read when a stream is prefixed: empty for a stream that gets none",
+         replaced=True),
+    Seam("fastvideo.utils", "RESET", "... likewise", replaced=True),
+    Seam("fastvideo.logger", "_info", "the first logger.info of a distributed process (WORLD_SIZE > 1) warns in "
+         "colour codes, read from the module when it logs", mentions="GREEN,"),
+    Seam("fastvideo.logger", "GREEN", "... empty where FastVideo's log stream (stdout) gets none", replaced=True),
+    Seam("fastvideo.logger", "RESET", "... likewise", replaced=True),)
 # What a PAN2 server needs of FastVideo's HTTP server (its optional web stack: fastapi, uvicorn, aiofiles): checked
 # when a PAN2 server starts (`check_serving`), so a FastVideo without them still runs PAN2 everywhere else.
 SERVE_SEAMS = (
@@ -726,6 +736,45 @@ def decode_group():
     except AssertionError:  # FastVideo's distributed environment is not initialized: one process
         return None
     return world.device_group if world.world_size > 1 else None
+
+
+# --------------------------------------------------------------------------------------------------- output
+
+
+def colours(stream) -> bool:
+    """Whether ANSI colour codes may be written to `stream` (no-color.org's convention): never with NO_COLOR set (to
+    anything but the empty string), else only where the stream is a terminal."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # not a file, or a closed one
+        return False
+
+
+def colour_only_on_terminals() -> None:
+    """FastVideo writes colour codes whatever its output is (a worker's line prefix, a warning of distributed
+    processes), so a log file or a pipe gets raw escape sequences: they follow `colours` instead. Idempotent."""
+    import fastvideo.logger as fastvideo_logger
+    import fastvideo.utils as fastvideo_utils
+
+    if not colours(sys.stdout):  # where FastVideo's logging writes
+        fastvideo_logger.GREEN = fastvideo_logger.RESET = ""
+
+    def make(original):
+        @functools.wraps(original)
+        def _add_prefix(file, *args, **kwargs):
+            codes = fastvideo_utils.CYAN, fastvideo_utils.RESET
+            if not colours(file):
+                fastvideo_utils.CYAN = fastvideo_utils.RESET = ""
+            try:
+                return original(file, *args, **kwargs)
+            finally:
+                fastvideo_utils.CYAN, fastvideo_utils.RESET = codes
+
+        return _add_prefix
+
+    _once(fastvideo_utils, "_add_prefix", make)
 
 
 # --------------------------------------------------------------------------------------------------- no GPU

@@ -1,6 +1,7 @@
 """`register()`: what the ``fastvideo.plugins`` entry point does in every FastVideo process. Idempotent.
 
-1. Checks that the installed FastVideo has every seam this package uses (`adapter.check`: one line if not).
+1. Checks that the installed FastVideo has every seam this package uses (`adapter.check`: one line if not), and
+   makes FastVideo's colour codes go only to terminals, never with NO_COLOR (`adapter.colour_only_on_terminals`).
 2. On a GPU-less machine, lets FastVideo run on CPU (`adapter.close_cpu_gaps`; nothing happens where a GPU exists).
 3. Registers `PAN2PipelineConfig` + `PAN2SamplingParam` with FastVideo's config registry, with a detector for PAN2
    checkpoints (`checkpoint.looks_like_pan2`) ahead of FastVideo's own, pinned to the `PAN2Pipeline` class.
@@ -37,6 +38,7 @@ def register() -> None:
     if _registered:
         return
     adapter.check()
+    adapter.colour_only_on_terminals()
     adapter.close_cpu_gaps()
     adapter.register_pipeline_config(
         pipeline_config_cls=PAN2PipelineConfig, sampling_param_cls=PAN2SamplingParam,

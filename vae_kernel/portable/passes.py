@@ -13,6 +13,7 @@ decoded one after another: they are independent, and it keeps every activation o
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Iterator
 
 import torch
@@ -24,7 +25,10 @@ from .network import DecodeState, NetworkPass, Tile
 from .ops import Ops
 from ..definitions.precision import own_arithmetic
 
-_PROGRESS_DELAY_S = 3.0  # show a progress bar only for decodes that last longer than this
+# The decoder's own bar follows tqdm's conventions: after a few seconds, only where its stream is a terminal
+# (`disable=None`: a file, a pipe or a CI log gets no carriage-return updates), and a TQDM_<NAME> variable the user
+# set (TQDM_DISABLE=1, TQDM_DELAY=0, ...) wins over these defaults, as it does over tqdm's own.
+_BAR_DEFAULTS = {"delay": 3.0, "leave": False, "disable": None}
 
 Chunk = tuple[int, int, "torch.Tensor | None"]  # (sample index, first video frame, [1, 3, F, H, W] or None)
 
@@ -155,11 +159,13 @@ progress_bars: contextvars.ContextVar = contextvars.ContextVar("progress_bars", 
 def _progress(total: int, show: bool, desc: str = "VAE decode"):
     from tqdm.auto import tqdm  # noqa: PLC0415 - only needed while decoding
 
+    if not show or total < 2:
+        return tqdm(total=total, disable=True)
     factory = progress_bars.get()
     if factory is not None:
-        return factory(total) if show and total >= 2 else tqdm(total=total, disable=True)
-    return tqdm(total=total, desc=desc, unit="pass", delay=_PROGRESS_DELAY_S, disable=not show or total < 2,
-                leave=False)
+        return factory(total)
+    defaults = {name: value for name, value in _BAR_DEFAULTS.items() if f"TQDM_{name.upper()}" not in os.environ}
+    return tqdm(total=total, desc=desc, unit="pass", **defaults)
 
 
 class EncodeRunner:
