@@ -35,11 +35,6 @@ SWITCH = decoder_options.config_field("decode", "kernel")
 CONFIG_FIELDS = decoder_options.config_fields("decode")  # the fields added to FastVideo's WanVAEConfig
 
 
-def config_field(option: str) -> str:
-    """The Wan VAE config field of a decoder option."""
-    return decoder_options.config_field("decode", option)
-
-
 def options(vae_config, prefix: str = "vae_config.") -> decoder_options.DecoderOptions | None:
     """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field, as
     `prefix` + its field name)."""

@@ -36,11 +36,6 @@ SWITCH = encoder_options.config_field("encode", "kernel")
 CONFIG_FIELDS = encoder_options.config_fields("encode")  # the fields added to FastVideo's WanVAEConfig
 
 
-def config_field(option: str) -> str:
-    """The Wan VAE config field of an encoder option."""
-    return encoder_options.config_field("encode", option)
-
-
 def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderOptions | None:
     """The options of a Wan VAE config whose fast encoder is on, else None (ValueError naming a bad field, as
     `prefix` + its field name)."""
