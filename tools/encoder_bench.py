@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     result["time"].append(time_encodes("wan22", torch.rand((1, 3, 9, 256, 256),
                                                             generator=torch.Generator().manual_seed(2)) * 2 - 1,
                                        args.repeats))
-    i2v = image_to_video(41, 96, 160)
+    i2v = image_to_video(81, 80, 128)
     row = time_encodes("wan21", i2v, args.repeats)
     row["i2v"] = True
     result["time"].append(row)
