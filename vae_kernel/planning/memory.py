@@ -240,11 +240,11 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
 
-    def padded(x, out_spatial) -> tuple[int, float]:
+    def padded(x, out_spatial, row_stride: int = 1) -> tuple[int, float]:
         """The bytes of a tiny conv's padded input, and how much longer its result is than the output."""
         extra = ops.tiny_call_rows(out_spatial, device) if compute == torch.bfloat16 else 0
         rows_in = x.shape[-3]
-        return (x.numel() // rows_in * (rows_in + extra) * x.element_size() if extra else 0,
+        return (x.numel() // rows_in * (rows_in + extra * row_stride) * x.element_size() if extra else 0,
                 (out_spatial[-2] + extra) / out_spatial[-2])
 
     def conv3d(x, w, b, out, residual=None):
@@ -278,7 +278,8 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     def conv3d_strided(x, w, b, out, stride):  # what the conv holds is its input's cast and its result
         if computing(x) is not None:
             return computing(x).conv3d_strided(x, w, b, out, stride)
-        hold(casts(x, w, b) + out.numel() * size)
+        copy, longer = padded(x, out.shape[1:-1], stride[1])
+        hold(copy + casts(x, w, b) + int(out.numel() * longer) * size)
 
     return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp,
                conv3d_strided=conv3d_strided)

@@ -117,9 +117,10 @@ MIN_BF16_CPU_PIXELS = 64
 
 
 def tiny_call_rows(out_spatial, device: torch.device) -> int:
-    """The zero input rows `_conv` appends to a conv on `device` whose output image has extents `out_spatial`
-    ([frames,] rows, cols): on a CPU computing in bf16, as many as give the call MIN_BF16_CPU_PIXELS output pixels per
-    image (their outputs are dropped); else, and for any call as big as that, 0."""
+    """The output rows of zero input that `_conv` adds below a conv on `device` whose output image has extents
+    `out_spatial` ([frames,] rows, cols; it appends that many input rows times the conv's row stride): on a CPU
+    computing in bf16, as many as give the call MIN_BF16_CPU_PIXELS output pixels per image (their outputs are
+    dropped); else, and for any call as big as that, 0."""
     if device.type != "cpu" or compute_dtype(device) != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return 0
     rows = out_spatial[-2]
@@ -225,12 +226,13 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
     stride = stride or [1] * len(padding)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
-        rows = x.shape[-2] - w.shape[-2] + 1
-        extra = 0 if dtype != torch.bfloat16 or stride[-2] != 1 else \
-            tiny_call_rows([s - k + 1 + 2 * p for s, k, p in zip(x.shape[2:], w.shape[2:], padding)], x.device)
-        if extra:  # a channels-last copy of x with `extra` zero rows below
-            padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + extra, x.shape[-1], x.shape[1]))
-            padded.movedim(-1, 1)[..., :-extra, :].copy_(x)
+        out_spatial = [(s - k + 2 * p) // st + 1 for s, k, p, st in zip(x.shape[2:], w.shape[2:], padding, stride)]
+        rows = out_spatial[-2]
+        extra = tiny_call_rows(out_spatial, x.device) if dtype == torch.bfloat16 else 0
+        if extra:  # a channels-last copy of x with zero rows below, for `extra` more output rows
+            added = extra * stride[-2]
+            padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + added, x.shape[-1], x.shape[1]))
+            padded.movedim(-1, 1)[..., :-added, :].copy_(x)
             x = padded.movedim(-1, 1)
         x, ones = _as(x, dtype, layout), [1] * len(padding)
         y = None if packed is None else \
