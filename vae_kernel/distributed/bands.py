@@ -52,6 +52,7 @@ class LocalRows:
     """The whole frame as one band: halos are the zero padding, gathers are the identity."""
 
     def __init__(self, height: int) -> None:
+        self.height = height  # the frame's latent rows
         self.bands = [(0, height)]
         self.index = 0
         self.is_root = True
@@ -86,7 +87,7 @@ class RankRows(LocalRows):
     decoder runs one more round after a decode's last exchange (docs/design.md, "Out-of-memory retries")."""
 
     def __init__(self, height: int, pg, device: torch.device, row_multiple: int = 1) -> None:
-        self.pg = pg
+        self.pg, self.height = pg, height
         self.rank = dist.get_rank(pg)
         self.bands = split_rows(height, dist.get_world_size(pg), row_multiple)
         self.index = self.rank

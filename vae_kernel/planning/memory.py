@@ -221,10 +221,11 @@ def _tensors(value):
 def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     """An op table that computes nothing and holds, while each op runs, the temporaries the portable op (`ops.py`)
     materialises on `device`, which computes in `ops.compute_dtype(device)`. The convs and the attention: a copy in
-    the compute dtype of each operand held in another (bf16 activations on an fp32 CPU; bf16 weights where the table
-    takes them as prepared), the input with its zero rows where a conv is tiny (`ops.tiny_call_rows`), and the result
-    in the compute dtype; views and the destination cost nothing. The norm, the DupUp shortcut and the unpatchify
-    compute the same on every device: the portable ops themselves run (on meta tensors: shapes only)."""
+    the compute dtype of each operand held in another (bf16 weights where the table takes them as prepared; a CPU
+    computing in fp32 copies a conv's input one row block at a time, with the block's output), the input with its
+    zero rows where a bf16 conv is tiny (`ops.tiny_call_rows`), and the result in the compute dtype; views and the
+    destination cost nothing. The norm, the DupUp shortcut and the unpatchify compute the same on every device: the
+    portable ops themselves run (on meta tensors: shapes only)."""
     compute = compute or ops.compute_dtype(device)
     size = compute.itemsize
 
@@ -240,28 +241,32 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
 
-    def padded(x, out_spatial, row_stride: int = 1) -> tuple[int, float]:
-        """The bytes of a tiny conv's padded input, and how much longer its result is than the output."""
+    def conv_held(x, out_spatial, kernel, stride, co) -> int:
+        """What a conv holds besides its weights' casts (`ops._conv`) and its result: on a CPU computing in fp32,
+        one row block's input and output; elsewhere x's cast, and the padded copy of a tiny bf16 call and its rows."""
+        result = x.shape[0] * math.prod(out_spatial) * co * size
+        if compute == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available():
+            block = ops.fp32_call_rows(out_spatial[-1])
+            block_in = kernel[0] * ((block - 1) * stride[-2] + kernel[-2]) * x.shape[-2] * x.shape[-1] * size
+            return block_in + block * out_spatial[-1] * co * size + result
+        rows_in, rows = x.shape[-3], out_spatial[-2]
         extra = ops.tiny_call_rows(out_spatial, device) if compute == torch.bfloat16 else 0
-        rows_in = x.shape[-3]
-        return (x.numel() // rows_in * (rows_in + extra * row_stride) * x.element_size() if extra else 0,
-                (out_spatial[-2] + extra) / out_spatial[-2])
+        copy = x.numel() // rows_in * (rows_in + extra * stride[-2]) * x.element_size() if extra else 0
+        return copy + casts(x) + result * (rows + extra) // rows
 
     def conv3d(x, w, b, out, residual=None):
         if computing(x) is not None:
             return computing(x).conv3d(x, w, b, out, residual)
-        copy, longer = padded(x, out.shape[1:-1])
-        result = int(out.numel() * longer) * size
+        held = conv_held(x, out.shape[1:-1], w.shape[1:-1], (1, 1, 1), out.shape[-1])
         added = out.numel() * size if residual is not None and compute != torch.float32 else 0  # fp32: in place
-        hold(copy + casts(x, w, b) + result)
-        hold(result + added)  # the inputs' copies are gone when the residual is added
+        hold(held + casts(w, b))
+        hold(out.numel() * size + added)  # the inputs' copies are gone when the residual is added
 
     def upsample2x_conv3x3(x, w_sub, b, out):
         m, hi, width, _ = x.shape
         phases = 4 * w_sub.shape[2]  # the four phases' outputs over the padded low-resolution grid, and their bias
-        copy, longer = padded(x, (hi - 1, width + 1))
-        hold(copy + casts(x, w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0))
-             + int(m * (hi - 1) * longer) * (width + 1) * phases * size)
+        held = conv_held(x, (hi - 1, width + 1), (1, 2, 2), (1, 1), phases)
+        hold(held + casts(w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0)))
 
     def attention(q, kv, out):
         # On a CPU the queries in whole blocks (`ops.attention`: a padded copy, and its result); plus the score matrix
@@ -278,8 +283,7 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     def conv3d_strided(x, w, b, out, stride):  # what the conv holds is its input's cast and its result
         if computing(x) is not None:
             return computing(x).conv3d_strided(x, w, b, out, stride)
-        copy, longer = padded(x, out.shape[1:-1], stride[1])
-        hold(copy + casts(x, w, b) + int(out.numel() * longer) * size)
+        hold(conv_held(x, out.shape[1:-1], w.shape[1:-1], stride, out.shape[-1]) + casts(w, b))
 
     return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp,
                conv3d_strided=conv3d_strided)

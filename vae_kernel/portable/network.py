@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..distributed.bands import LocalRows
-from .ops import Ops
+from .ops import Ops, frame_shape
 
 
 class DecodeState:
@@ -201,6 +201,10 @@ class NetworkPass:
     def run(self, z: torch.Tensor) -> torch.Tensor:
         """z: [C, frames, rows + halo, w] latents of this band with the rows around it that exist (see `decode`).
         Returns [1, video frames, 8 * rows, 8 * w, 3 * p * p] (before unpatchify)."""
+        with frame_shape(self.rows.height, z.shape[-1]):  # sizes the CPU convs' row blocks (`ops.fp32_call_rows`)
+            return self._run(z)
+
+    def _run(self, z: torch.Tensor) -> torch.Tensor:
         start, stop = self.rows.rows
         _, frames, _, width = z.shape
         rows = stop - start

@@ -26,6 +26,8 @@ Layout rules every op may rely on (and every replacement must honour):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -114,6 +116,40 @@ def _as(t: torch.Tensor, dtype: torch.dtype, layout: torch.memory_format) -> tor
 # sum in different orders: rows computed in such a call (a one-row band of a narrow frame) would differ from the same
 # rows computed in a bigger call. So a CPU bf16 conv is never called on fewer output pixels per image than this.
 MIN_BF16_CPU_PIXELS = 64
+
+# oneDNN's fp32 convs choose their blocking from a call's extents (frames, rows and pixels per call), and the blockings
+# sum in different orders: a 128-channel 3x3x3 conv over 24 x 16 pixels gave other sums for one frame of 4 rows than
+# for 8 frames of 24 rows (measured on AMD EPYC), so tiles, passes and bands of a decode differed by a bf16 step. So a
+# CPU computing in fp32 runs every conv as calls of one image (one frame of one sample) and exactly `fp32_call_rows`
+# output rows, the last block of a band filled up with zero rows: every output row of a layer comes from a call of the
+# same extents whatever the band, tile or pass (its place in the call does not change its sums: measured). About this
+# many output pixels per call (enough that the weight's reorder, which oneDNN repeats on every fp32 call, costs
+# little beside the call's work):
+FP32_CPU_CALL_PIXELS = 512
+# The frame's (rows, cols) at the latent scale, set around a pass by whoever runs it (`frame_shape`): a layer's row
+# block is at most the frame's rows at that layer, so that a short frame is not padded to a long block.
+_FRAME_SHAPE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("pan2_frame_shape", default=None)
+
+
+@contextlib.contextmanager
+def frame_shape(rows: int, cols: int):
+    """Inside: the convs run over a frame of this shape (`rows` x `cols` at some scale: only the ratio counts), which
+    sizes their fp32 CPU row blocks (`fp32_call_rows`). Every pass of one decode or encode must say the same."""
+    token = _FRAME_SHAPE.set((rows, cols))
+    try:
+        yield
+    finally:
+        _FRAME_SHAPE.reset(token)
+
+
+def fp32_call_rows(cols: int) -> int:
+    """The output rows of each call of an fp32 CPU conv whose output is `cols` pixels wide: enough for
+    FP32_CPU_CALL_PIXELS pixels, at most the frame's rows at this width (inside `frame_shape`), at least 1."""
+    rows = -(-FP32_CPU_CALL_PIXELS // cols)
+    frame = _FRAME_SHAPE.get()
+    if frame is not None:
+        rows = min(rows, -(-frame[0] * cols // frame[1]))
+    return max(rows, 1)
 
 
 def tiny_call_rows(out_spatial, device: torch.device) -> int:
@@ -212,21 +248,24 @@ def activation_compute_dtype(x: torch.Tensor) -> torch.Tensor:
 
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
           packed: torch.Tensor | None = None, stride: list[int] | None = None) -> torch.Tensor:
-    """A conv (stride 1 unless `stride`) of views x [N, C, ...], w [Co, C, ...] (as the ops pass them: channels
-    last), computing in `activation_compute_dtype(x)`. On CPU it
-    computes in the weight's layout: channels first where `weights.to_compute_layout` laid w out so (its strides
-    carry the per-shape choice), else channels last; on a GPU channels last. The result is in that layout.
+    """A conv (stride 1 unless `stride`; rows valid) of views x [N, C, ...], w [Co, C, ...] (as the ops pass them:
+    channels last), computing in `activation_compute_dtype(x)`. On CPU it computes in the weight's layout: channels
+    first where `weights.to_compute_layout` laid w out so (its strides carry the per-shape choice), else channels
+    last; on a GPU channels last. The result is in that layout.
 
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
     with oneDNN present (measured 2-20x slower here, and it returns channels-first output). There `packed`, w's
-    prepacked copy (`prepack`), replaces w (while torch's private oneDNN op serves: `_private_onednn`), and a bf16
-    call too small for AMX is padded (`tiny_call_rows`).
+    prepacked copy (`prepack`), replaces w (while torch's private oneDNN op serves: `_private_onednn`); a bf16 call
+    too small for AMX is padded (`tiny_call_rows`); an fp32 conv runs in calls of one image and a fixed number of
+    rows (`fp32_call_rows`).
     """
     dtype = activation_compute_dtype(x)
     stride = stride or [1] * len(padding)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
         out_spatial = [(s - k + 2 * p) // st + 1 for s, k, p, st in zip(x.shape[2:], w.shape[2:], padding, stride)]
+        if dtype == torch.float32:
+            return _fp32_row_blocks(x, _as(w, dtype, layout), b.to(dtype), padding, stride, layout, out_spatial)
         rows = out_spatial[-2]
         extra = tiny_call_rows(out_spatial, x.device) if dtype == torch.bfloat16 else 0
         if extra:  # a channels-last copy of x with zero rows below, for `extra` more output rows
@@ -243,6 +282,34 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
     return conv(x, w, b, padding=padding, stride=stride)
+
+
+def _fp32_row_blocks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int], stride: list[int],
+                     layout: torch.memory_format, out_spatial: list[int]) -> torch.Tensor:
+    """`_conv` on a CPU computing in fp32: one oneDNN call per image and block of `fp32_call_rows` output rows, each
+    from a copy of its input rows in fp32 (zero rows past the input's last), into the result [N, Co, *out_spatial]
+    (in `layout`)."""
+    rows, block = out_spatial[-2], fp32_call_rows(out_spatial[-1])
+    kt, st = (w.shape[2], stride[0]) if x.dim() == 5 else (1, 1)
+    frames = out_spatial[0] if x.dim() == 5 else 1
+    y = torch.empty((x.shape[0], w.shape[0], *out_spatial), dtype=torch.float32, device=x.device,
+                    memory_format=layout)
+    held = (block - 1) * stride[-2] + w.shape[-2]  # the input rows of one block
+    part = torch.empty((1, x.shape[1], *([kt] if x.dim() == 5 else []), held, x.shape[-1]), dtype=torch.float32,
+                       device=x.device, memory_format=layout)
+    ones = [1] * len(padding)
+    for n in range(x.shape[0]):
+        for t in range(frames):
+            image = x[n:n + 1, :, t * st:t * st + kt] if x.dim() == 5 else x[n:n + 1]
+            dest = y[n:n + 1, :, t:t + 1] if x.dim() == 5 else y[n:n + 1]
+            for r in range(0, rows, block):
+                given = image[..., r * stride[-2]:r * stride[-2] + held, :]
+                part[..., :given.shape[-2], :].copy_(given)
+                part[..., given.shape[-2]:, :].zero_()
+                result = torch.mkldnn_convolution(part, w, b, padding, stride, ones, 1)
+                dest[..., r:r + block, :].copy_(result[..., :min(block, rows - r), :])
+                del result
+    return y
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ..definitions.architecture import WanVAEConfig, video_frames
 from ..distributed.bands import LocalRows
 from .encoder_network import EncodePass, EncodeTile
 from .network import DecodeState, NetworkPass, Tile
-from .ops import Ops
+from .ops import Ops, frame_shape
 from ..definitions.precision import own_arithmetic
 
 # The decoder's own bar follows tqdm's conventions: after a few seconds, only where its stream is a terminal
@@ -184,6 +184,10 @@ class EncodeRunner:
     def encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None) -> tuple[torch.Tensor, dict]:
         """video [1, 3, F, H, W] (F = 4T - 3) -> (moments [1, T, h, w, 2z] in the activations' dtype, the passes each
         stage reused: stage -> pass indices; tiled, those every tile reused)."""
+        with frame_shape(*latent_shape[-2:]):  # sizes the CPU convs' row blocks (`ops.fp32_call_rows`)
+            return self._encode(video, latent_shape, tile_rows)
+
+    def _encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None) -> tuple[torch.Tensor, dict]:
         _, _, t, height, width = latent_shape
         passes = latent_passes(t, self.frames_per_pass)
         moments = torch.empty((1, t, height, width, 2 * self.config.z_dim), dtype=self.dtype, device=self.device)
