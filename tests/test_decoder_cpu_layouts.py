@@ -8,6 +8,7 @@ computes in fp32; without torch's private oneDNN ops the bf16 convs run unpacked
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -142,16 +143,18 @@ def test_an_fp32_cpu_conv_gives_every_row_the_same_sums_whatever_frames_and_rows
     x = _bf16(1, frames + 2, rows + 2, width, channels, seed=21)
     w = prepare("c.weight", _bf16(channels, channels, 3, 3, 3, seed=22) / (27 * channels) ** 0.5)
     b = torch.randn(channels, generator=torch.Generator().manual_seed(23))
-    whole = torch.empty(1, frames, rows, width, channels, dtype=torch.bfloat16)
-    with torch_threads():
-        ops.conv3d(x, to_compute_layout(w), b, whole)
-        differ = {}
-        for (t0, t1), (r0, r1) in itertools.product([(0, 1), (2, 3), (1, 4), (0, 6), (3, 6)],
-                                                    [(0, 1), (5, 6), (0, 4), (3, 11), (8, 24), (17, 24), (0, 24)]):
-            part = torch.empty(1, t1 - t0, r1 - r0, width, channels, dtype=torch.bfloat16)
-            ops.conv3d(x[:, t0:t1 + 2, r0:r1 + 2].contiguous(), to_compute_layout(w), b, part)
-            if not torch.equal(part, whole[:, t0:t1, r0:r1]):
-                differ[(t0, t1, r0, r1)] = int((part != whole[:, t0:t1, r0:r1]).sum())
+    differ = {}
+    # One block of 32 rows per call; blocks of 5 and of 1 row, several per call (a frame 5 or 1 rows per 16 columns).
+    for frame in [None, (5, 16), (1, 16)]:
+        with torch_threads(), ops.frame_shape(*frame) if frame else contextlib.nullcontext():
+            whole = torch.empty(1, frames, rows, width, channels, dtype=torch.bfloat16)
+            ops.conv3d(x, to_compute_layout(w), b, whole)
+            for (t0, t1), (r0, r1) in itertools.product([(0, 1), (2, 3), (1, 4), (0, 6), (3, 6)],
+                                                        [(0, 1), (5, 6), (0, 4), (3, 11), (8, 24), (17, 24), (0, 24)]):
+                part = torch.empty(1, t1 - t0, r1 - r0, width, channels, dtype=torch.bfloat16)
+                ops.conv3d(x[:, t0:t1 + 2, r0:r1 + 2].contiguous(), to_compute_layout(w), b, part)
+                if not torch.equal(part, whole[:, t0:t1, r0:r1]):
+                    differ[(frame, t0, t1, r0, r1)] = int((part != whole[:, t0:t1, r0:r1]).sum())
     assert not differ
 
 

@@ -123,7 +123,8 @@ def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows,
     estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows)
     # The replay counts the tensors the ops make, not oneDNN's scratch inside a conv call: on a CPU computing in fp32,
     # whose convs run one small row block per call, that scratch is 7% of this tiny decode's peak (measured).
-    assert 0.92 * allocated <= estimate <= 1.05 * allocated, (estimate, allocated)
+    low = 0.92 if cpu_compute == torch.float32 else 0.95
+    assert low * allocated <= estimate <= 1.05 * allocated, (estimate, allocated)
 
 
 @pytest.mark.parametrize("frames, tile_rows, stream", [(3, None, False), (3, 2, False), (3, None, True),

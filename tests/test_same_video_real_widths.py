@@ -77,20 +77,25 @@ def test_bands_over_gloo_ranks_give_the_same_video_at_wan21s_real_widths(tmp_pat
 WAN22_LATENTS = (1, WAN22_CONFIG.z_dim, 3, 3, 2)
 
 
-def _wan22_decode(rank: int, world: int, tmp: str, compute: torch.dtype, base: int) -> torch.Tensor | None:
+def _wan22_decode(rank: int, world: int, tmp: str, compute: torch.dtype, base: int, frames_per_pass: int = 2,
+                  tile_rows: int | None = None) -> torch.Tensor | None:
     ops.cpu_has_amx_bf16 = lambda: compute == torch.bfloat16  # this rank runs as the test's kind of CPU
     config = dataclasses.replace(WAN22_CONFIG, decoder_base_dim=base)
-    decoder = WanVAEDecoder(random_weights(config, seed=1), device="cpu", frames_per_pass=2, backend="torch")
+    decoder = WanVAEDecoder(random_weights(config, seed=1), device="cpu", frames_per_pass=frames_per_pass,
+                            backend="torch", tile_rows=tile_rows)
     return decoder.decode(random_latents(WAN22_LATENTS, seed=4))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("base", [WAN22_CONFIG.decoder_base_dim // 2, WAN22_CONFIG.decoder_base_dim])
-def test_bands_over_gloo_ranks_give_the_same_video_at_wan22s_widths(tmp_path, cpu_compute, base):
+def test_passes_tiles_and_bands_over_gloo_ranks_give_the_same_video_at_wan22s_widths(tmp_path, cpu_compute, base):
     if cpu_compute == torch.bfloat16 and not AMX_BF16:
         pytest.skip("a CPU without AMX-BF16 never decodes in bf16 (and its bf16 convs at these widths take minutes)")
     with torch_threads():
         single = _wan22_decode(0, 1, str(tmp_path), cpu_compute, base)
+        for frames_per_pass, tile_rows in [(1, None), (4, None), (2, 1)]:  # passes and tiles of one rank
+            video = _wan22_decode(0, 1, str(tmp_path), cpu_compute, base, frames_per_pass, tile_rows)
+            assert torch.equal(video, single), f"{frames_per_pass} frames per pass, tiles of {tile_rows}"
     for world in (2, 3, 4):
         (tmp_path / f"{world}").mkdir()
         videos = run_ranks(_wan22_decode, world, tmp_path / f"{world}", cpu_compute, base, threads=RANK_THREADS)

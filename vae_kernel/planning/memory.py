@@ -241,32 +241,33 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
 
-    def conv_held(x, out_spatial, kernel, stride, co) -> int:
-        """What a conv holds besides its weights' casts (`ops._conv`) and its result: on a CPU computing in fp32,
-        one row block's input and output; elsewhere x's cast, and the padded copy of a tiny bf16 call and its rows."""
+    def conv_held(x, out_spatial, kernel, stride, co) -> tuple[int, int]:
+        """(what a conv holds besides its weights' casts and its result, its result) (`ops._conv`): on a CPU computing
+        in fp32, one row block's input and output; elsewhere x's cast and the padded copy of a tiny bf16 call, whose
+        result holds the padded rows too."""
         result = x.shape[0] * math.prod(out_spatial) * co * size
         if compute == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available():
             block = ops.fp32_call_rows(out_spatial[-1])
             block_in = kernel[0] * ((block - 1) * stride[-2] + kernel[-2]) * x.shape[-2] * x.shape[-1] * size
-            return block_in + block * out_spatial[-1] * co * size + result
+            return block_in + block * out_spatial[-1] * co * size, result
         rows_in, rows = x.shape[-3], out_spatial[-2]
         extra = ops.tiny_call_rows(out_spatial, device) if compute == torch.bfloat16 else 0
         copy = x.numel() // rows_in * (rows_in + extra * stride[-2]) * x.element_size() if extra else 0
-        return copy + casts(x) + result * (rows + extra) // rows
+        return copy + casts(x), result * (rows + extra) // rows
 
     def conv3d(x, w, b, out, residual=None):
         if computing(x) is not None:
             return computing(x).conv3d(x, w, b, out, residual)
-        held = conv_held(x, out.shape[1:-1], w.shape[1:-1], (1, 1, 1), out.shape[-1])
+        held, result = conv_held(x, out.shape[1:-1], w.shape[1:-1], (1, 1, 1), out.shape[-1])
         added = out.numel() * size if residual is not None and compute != torch.float32 else 0  # fp32: in place
-        hold(held + casts(w, b))
-        hold(out.numel() * size + added)  # the inputs' copies are gone when the residual is added
+        hold(held + casts(w, b) + result)
+        hold(result + added)  # the inputs' copies are gone when the residual is added
 
     def upsample2x_conv3x3(x, w_sub, b, out):
         m, hi, width, _ = x.shape
         phases = 4 * w_sub.shape[2]  # the four phases' outputs over the padded low-resolution grid, and their bias
-        held = conv_held(x, (hi - 1, width + 1), (1, 2, 2), (1, 1), phases)
-        hold(held + casts(w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0)))
+        held, result = conv_held(x, (hi - 1, width + 1), (1, 2, 2), (1, 1), phases)
+        hold(held + result + casts(w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0)))
 
     def attention(q, kv, out):
         # On a CPU the queries in whole blocks (`ops.attention`: a padded copy, and its result); plus the score matrix
@@ -283,7 +284,7 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     def conv3d_strided(x, w, b, out, stride):  # what the conv holds is its input's cast and its result
         if computing(x) is not None:
             return computing(x).conv3d_strided(x, w, b, out, stride)
-        hold(conv_held(x, out.shape[1:-1], w.shape[1:-1], stride, out.shape[-1]) + casts(w, b))
+        hold(sum(conv_held(x, out.shape[1:-1], w.shape[1:-1], stride, out.shape[-1])) + casts(w, b))
 
     return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp,
                conv3d_strided=conv3d_strided)
@@ -298,8 +299,9 @@ class MemoryPlanner:
         # Read once from the weights as prepared: a decode holds these bytes whether or not the weights are on the
         # device between decodes (they are prepared again, the same shapes, before one: `weights.DecoderWeights`).
         self._meta_weights = {k: v.to("meta") for k, v in weights.items()}
-        # The weights' bytes; a prepacked one (`ops.prepack`) is held twice: as prepared and in oneDNN's blocking.
-        self.weight_bytes = sum(w.numel() * w.element_size() * (2 if ops.prepacked(w) else 1) for w in weights.values())
+        # The weights' bytes; a conv weight the convs also hold in oneDNN's blocking is held twice (`ops.held_twice`).
+        self.weight_bytes = sum(w.numel() * w.element_size() * (2 if ops.held_twice(w) else 1)
+                                for w in weights.values())
         self._peaks: dict[tuple, int] = {}
         self._plans: dict[tuple, int | None] = {}
 
