@@ -123,8 +123,7 @@ MIN_BF16_CPU_PIXELS = 64
 # CPU computing in fp32 runs every conv as calls of one image (one frame of one sample) and exactly `fp32_call_rows`
 # output rows, the last block of a band filled up with zero rows: every output row of a layer comes from a call of the
 # same extents whatever the band, tile or pass (its place in the call does not change its sums: measured). About this
-# many output pixels per call (enough that the weight's reorder, which oneDNN repeats on every fp32 call, costs
-# little beside the call's work):
+# many output pixels per call (fewer, bigger calls run faster; a block is never longer than the frame):
 FP32_CPU_CALL_PIXELS = 512
 # The frame's (rows, cols) at the latent scale, set around a pass by whoever runs it (`frame_shape`): a layer's row
 # block is at most the frame's rows at that layer, so that a short frame is not padded to a long block.
@@ -292,9 +291,9 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
 
 
 # A prepared fp32 CPU conv weight -> (its version, {the calls' shapes: oneDNN's copy of it blocked for such a call}):
-# every call of a layer has one shape (`_fp32_row_blocks`), so the weight is reordered once, not on every call (the
-# real-width decode of bench/results/cpu-real-width-2026-12-02.json: 1.5x faster). As with `prepack`, the prepared
-# weight is never written after it is made; every call of a layer runs from the same copy, so the sums stay the same.
+# every call of a layer has one shape (`_fp32_row_blocks`), so oneDNN reorders the weight once, not on every call. As
+# with `prepack`, the prepared weight is never written after it is made; every call of a layer runs from the same
+# copy, so its sums stay the same.
 _FP32_PACKED = WeakTensorKeyDictionary()
 
 
