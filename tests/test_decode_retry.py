@@ -62,7 +62,8 @@ def recording():
 
 def convs_out_of_memory_above(monkeypatch, frames: int, run_out) -> None:
     """The torch convs the portable ops call (oneDNN's, from the prepared or the prepacked weights: `ops.prepack`)
-    call `run_out(frames_out)`, which raises, for an output of more than `frames` frames."""
+    call `run_out(frames_out)`, which raises, for an output of more than `frames` frames. On a CPU computing in fp32
+    each oneDNN call holds one frame (`ops._fp32_row_blocks`), so there the conv of the whole pass runs out first."""
     def limit(real):
         def conv(x, w, *args):
             frames_out = x.shape[2] - w.shape[2] + 1 if x.dim() == 5 else 1
@@ -73,6 +74,7 @@ def convs_out_of_memory_above(monkeypatch, frames: int, run_out) -> None:
 
     monkeypatch.setattr(torch, "mkldnn_convolution", limit(torch.mkldnn_convolution))
     monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise", limit(torch.ops.mkldnn._convolution_pointwise))
+    monkeypatch.setattr(ops, "_fp32_row_blocks", limit(ops._fp32_row_blocks))
 
 
 def joined(chunks) -> torch.Tensor:
