@@ -350,18 +350,13 @@ def test_pan2_cli_bad_encoder_option_is_one_line(tiny_ckpt, tmp_path, monkeypatc
 
 def _generate(tiny_ckpt, image, video, record, *switches: str):
     """`fastvideo generate --pipeline pan2` with the fast decoder on (so the record hook sees the decoded video and
-    the latents it came from, before the mp4's quantisation), the transformer in fp32, and `switches`.
-
-    FastVideo's default bf16 transformer rounds its input to bf16, so an fp32-rounding change in the first frame's
-    latents flips some of those roundings or not depending on the CPU's kernels: the denoised latents then differ by
-    bf16 steps (0.018 measured) or by nothing. In fp32 the difference stays the encoder's own."""
+    the latents it came from, before the mp4's quantisation), and `switches`."""
     proc = run([FASTVIDEO_CLI, "generate", "--pipeline", "pan2", "--generator.model_path", str(tiny_ckpt),
                 "--request.prompt", "a cat on a sofa", "--request.inputs.image_path", str(image),
                 "--request.sampling.height", str(E2E_HEIGHT), "--request.sampling.width", str(E2E_WIDTH),
                 "--request.sampling.num_frames", str(E2E_FRAMES), "--request.sampling.num_inference_steps", "2",
                 "--request.sampling.guidance_scale", "1.0", "--request.sampling.seed", "7",
                 "--request.output.output_path", str(video),
-                "--generator.pipeline.experimental.dit_precision", "fp32",
                 "--generator.pipeline.experimental.vae_decode_kernel", "true", *switches],
                env_extra=decode_hook_env(video.parent, f"record:{record}"))
     log = proc.stdout + proc.stderr
@@ -371,7 +366,7 @@ def _generate(tiny_ckpt, image, video, record, *switches: str):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # two real runs (parent + worker each)
-def test_pan2_cli_switch_on_gives_the_switch_off_video_within_a_tight_bound(tiny_ckpt, tmp_path):
+def test_pan2_cli_switch_on_gives_the_switch_off_first_frame_latents_within_fp32_rounding(tiny_ckpt, tmp_path):
     image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
     (tmp_path / "off").mkdir()
     (tmp_path / "on").mkdir()
@@ -383,7 +378,15 @@ def test_pan2_cli_switch_on_gives_the_switch_off_video_within_a_tight_bound(tiny
             "reuse_steady True, one rank on cpu") in on_log  # in the worker, where the first frame is encoded
     assert "encoding with FastVideo's own encode" not in on_log
     assert on["video"].shape == off["video"].shape == (1, 3, E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH)
-    # The first frame's latents differ by fp32 rounding; two fp32 denoising steps keep it that small, and the bf16
-    # decode rounds it away (the videos measured equal). An 8-bit level is the video's bound.
-    torch.testing.assert_close(on["latents"], off["latents"], rtol=0, atol=1e-4)  # measured ~1e-6 of ~6
-    torch.testing.assert_close(on["video"].float(), off["video"].float(), rtol=0, atol=2 / 255)  # [-1, 1]
+    # The first latent frame is the encoded image, kept as is through the denoise: the encoders' own difference,
+    # fp32 rounding (measured ~1e-6 of ~6).
+    torch.testing.assert_close(on["latents"][:, :, :1], off["latents"][:, :, :1], rtol=0, atol=1e-4)
+    # FastVideo rounds the denoiser's input to bf16 whatever the transformer's precision, and the decoder computes in
+    # bf16: that fp32 difference flips some of those roundings or none, as the CPU's kernels round. The denoised
+    # frames then differ by up to a bf16 step of the largest latent (0.0188 of 6.2 measured on one CPU, 0 on
+    # another), and the video by what the tiny checkpoint's random decoder makes of flipped inputs: up to 6.1 8-bit
+    # levels with the denoised frames equal, 8.0 with them differing (the fast encode's output scaled by 1 + 3e-6
+    # and 1 + 3e-5 times random normals).
+    bf16_step = 2.0 ** (torch.floor(torch.log2(off["latents"].abs().max())).item() - 7)
+    torch.testing.assert_close(on["latents"], off["latents"], rtol=0, atol=bf16_step)
+    torch.testing.assert_close(on["video"].float(), off["video"].float(), rtol=0, atol=16 * 2 / 255)  # [-1, 1]
