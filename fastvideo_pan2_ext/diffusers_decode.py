@@ -35,9 +35,8 @@ from fastvideo_pan2_ext import diffusers_route
 from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel.distributed.bands import comm_device
-from fastvideo_pan2_ext.vae_kernel.portable.weights import state_dict_of
+from fastvideo_pan2_ext.vae_kernel.portable import weights
 
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
 
@@ -75,7 +74,7 @@ class FastDecode(diffusers_route.Route):
 
     @classmethod
     def architecture(cls, vae: AutoencoderKLWan):
-        return infer_config(state_dict_of(vae))
+        return weights.architecture(vae)
 
     def make(self, vae: AutoencoderKLWan) -> WanVAEDecoder:
         opts = self.options

@@ -31,7 +31,6 @@ from diffusers.models.modeling_outputs import AutoencoderKLOutput
 from fastvideo_pan2_ext import diffusers_route
 from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
 from fastvideo_pan2_ext.vae_kernel import options as options_mod
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_encoder_config
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
 from fastvideo_pan2_ext.vae_kernel.portable import weights
 
@@ -56,7 +55,7 @@ class FastEncode(diffusers_route.Route):
 
     @classmethod
     def architecture(cls, vae: AutoencoderKLWan):
-        return infer_encoder_config(weights.state_dict_of(vae, weights.encoder_part(torch.float32)))
+        return weights.architecture(vae, weights.encoder_part(torch.float32))
 
     def make(self, vae: AutoencoderKLWan) -> WanVAEEncoder:
         options = {name: getattr(self.options, name) for name in options_mod.ENCODE_NAMES}

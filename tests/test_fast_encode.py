@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import fastvideo.logger  # noqa: F401 - its import configures logging (the root's handlers, caplog's among them)
 import pytest
 import torch
 from _pan2_helpers import E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, decode_hook_env, exif_rotated_jpeg, run
@@ -208,7 +209,9 @@ def _served_by_fastvideo(vae, x, caplog, expected_warning: str):
     except Exception as exc:  # noqa: BLE001
         assert [type(r) for r in results] == [type(exc)] * 2 and {str(r) for r in results} == {str(exc)}, results
     else:
-        assert all(isinstance(r, torch.Tensor) and torch.equal(r, fastvideo) for r in results)
+        for r in results:
+            assert isinstance(r, torch.Tensor), r
+            torch.testing.assert_close(r, fastvideo, rtol=0, atol=0, equal_nan=True)
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
     assert expected_warning in warnings[0] and warnings[0].endswith("; encoding with FastVideo's own encode")
@@ -246,6 +249,23 @@ def test_autograd_recording_is_fastvideos_and_gradients_flow(caplog):
     _served_by_fastvideo(vae, x, caplog, "autograd is recording through this encode")
     vae.encode(x).mean.sum().backward()
     assert vae.encoder.conv_in.weight.grad is not None and vae.encoder.conv_in.weight.grad.abs().sum() > 0
+
+
+def test_a_weight_turned_non_finite_is_fastvideos_until_it_is_finite_again(caplog):
+    """The encoder checks the weights' values as it takes them, once per encode: a weight made non-finite after the
+    fast encoder was made runs FastVideo's encode (one warning); made finite again, it is the fast encoder's."""
+    vae = _wan21_vae_of_config()
+    x = _video((1, 3, 5, 16, 16), seed=14)
+    weight = vae.encoder.down_blocks[1].conv2.weight
+    with torch.no_grad():
+        _assert_within_fp32_rounding(vae.encode(x), _fastvideo_encode(vae, x))  # the fast encoder, made
+        kept = weight.clone()
+        weight[0, 0, 0, 0, 0] = float("nan")
+        _served_by_fastvideo(vae, x, caplog, "the fast encoder cannot take this VAE's encoder weights "
+                                             "(state_dict['encoder.down_blocks.1.conv2.weight'] has non-finite "
+                                             "values)")
+        weight.copy_(kept)
+        _assert_within_fp32_rounding(vae.encode(x), _fastvideo_encode(vae, x))
 
 
 def test_unmerged_lora_weights_are_fastvideos_until_merged(caplog):

@@ -73,8 +73,8 @@ def cannot_serve(vae, x) -> tuple[str, str] | None:
                                  "fast encoder does not compute)")
     if not isinstance(x, torch.Tensor):
         return "input", f"the input is a {type(x).__name__}, not a video tensor"
-    try:  # the encoder's own check of what it takes: architecture, every tensor's shape, loaded and finite values
-        config, _ = weights_mod.checked(vae, _PART)
+    try:  # the architecture and every tensor's shape; the encoder checks the values as it takes them (`encode`)
+        config = weights_mod.architecture(vae, _PART)
     except ValueError as exc:
         return "weights", f"the fast encoder cannot take this VAE's encoder weights ({exc})"
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.encoder.parameters())):
@@ -144,8 +144,12 @@ def encode(vae, x, fastvideo_encode):
     if reason is not None:
         _warn_once(vae, *reason)
         return fastvideo_encode(vae, x)
-    encoder = encoder_for(vae, x.device)
-    moments = encoder.encode(x)
+    try:  # the encoder reads the weights' values once per encode, as it takes any change, before it computes
+        encoder = encoder_for(vae, x.device)
+        moments = encoder.encode(x)
+    except weights_mod.WeightValuesError as exc:
+        _warn_once(vae, "weights", f"the fast encoder cannot take this VAE's encoder weights ({exc})")
+        return fastvideo_encode(vae, x)
     plan = encoder.last_plan
     logger.debug("fast VAE encoder: video %s: %d latent frame(s) per pass, %s", list(x.shape), plan.frames_per_pass,
                  "untiled" if plan.tile_rows is None else f"in tiles of {plan.tile_rows} latent rows")

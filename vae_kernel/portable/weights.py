@@ -159,12 +159,22 @@ def _named(sd: dict[str, torch.Tensor], part: WeightPart = DECODER) -> tuple[Wan
     return config, {name: sd[name].detach() for name in part.names(config)}
 
 
+class WeightValuesError(ValueError):
+    """A weight whose values cannot be taken: not loaded (on the meta device) or not finite."""
+
+
 def _check_values(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
-        raise ValueError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module offloaded "
+        raise WeightValuesError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module offloaded "
                          "layer by layer, e.g. by accelerate's sequential CPU offload)")
     if not torch.isfinite(tensor).all():
-        raise ValueError(f"state_dict[{name!r}] has non-finite values")
+        raise WeightValuesError(f"state_dict[{name!r}] has non-finite values")
+
+
+def architecture(vae_or_state_dict, part: WeightPart = DECODER):
+    """The architecture of the weights `part` reads, from their names and shapes alone (ValueError naming a missing
+    or misshapen tensor, or unmerged LoRA adapters); their values are checked where they are prepared."""
+    return part.infer(state_dict_of(vae_or_state_dict, part))
 
 
 def checked(vae_or_state_dict, part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
