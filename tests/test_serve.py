@@ -107,6 +107,12 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
         "an output folder above": (server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE,
                                                       num_frames=FRAMES, output_path="../escape"),
                                    "output_path must be a folder under the server's output_dir"),
+        "a field FastVideo's request refuses (multipart)": (  # FastVideo: a 500, and the upload stayed
+            server.submit(image, prompt="x", size=SIZE, num_frames=FRAMES, extra_body='{"fps": "many"}'),
+            "invalid request: fps: Input should be a valid integer"),
+        "a field FastVideo's request refuses (JSON)": (  # FastVideo: pydantic's lines, and the upload stayed
+            server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE, num_frames=FRAMES,
+                               fps="many"), "invalid request: fps: Input should be a valid integer"),
         "a file name with a path": (  # FastVideo stores it as uploads/<id>_<name>: three folders up, were it kept
             server.client.post("/v1/videos", files={
                 "input_reference": ("a/../../../planted.jpg", image.read_bytes(), "image/jpeg"),

@@ -14,8 +14,10 @@ and torch sees no CUDA device; GPU runs never get them.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import glob
 import logging
 import os
 import re
@@ -504,12 +506,23 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
     video_api._build_generation_kwargs = lambda request_id, req, default_request=None: check_request(
         request_id, req, lambda: build(request_id, req, default_request=default_request))
     video_api._run_generation = run_job
-    save = video_api.save_image_to_path
 
-    async def save_image_to_path(image, target_path: str) -> str:
-        return await save(image, _in_uploads(target_path))
+    def make_save(save):
+        async def save_image_to_path(image, target_path: str) -> str:
+            path = _in_uploads(target_path)
+            try:
+                saved = await save(image, path)
+            except BaseException:
+                for written in glob.glob(glob.escape(path) + "*"):  # what a failed save wrote (it may add a suffix)
+                    _remove(written)
+                raise
+            _SAVED_UPLOAD.set(saved)
+            return saved
 
-    video_api.save_image_to_path = save_image_to_path
+        return save_image_to_path
+
+    _once(video_api, "save_image_to_path", make_save)
+    _once(video_api, "VideoGenerationsRequest", lambda original: functools.partial(_request_or_400, original))
 
     def make(original):
         def create_app(*args, **kwargs):
@@ -532,6 +545,33 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
         return create_app
 
     _once(api_server, "create_app", make)
+
+
+# The upload the request being handled saved (each request runs in its own task, with its own context).
+_SAVED_UPLOAD: contextvars.ContextVar[str | None] = contextvars.ContextVar("pan2_saved_upload", default=None)
+
+
+def _request_or_400(request_class, **fields):
+    """FastVideo's request object from a submission's fields; fields it refuses are a one-line 400 (FastVideo answers
+    a multipart one with a 500 and a JSON one with pydantic's many lines), and the upload this request saved goes."""
+    import pydantic
+    from fastapi import HTTPException
+
+    try:
+        return request_class(**fields)
+    except pydantic.ValidationError as exc:
+        upload = _SAVED_UPLOAD.get()
+        if upload is not None:
+            _remove(upload)
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in exc.errors())
+        raise HTTPException(status_code=400, detail=f"invalid request: {problems}") from None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _unserved(route) -> bool:
