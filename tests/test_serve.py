@@ -165,6 +165,25 @@ def test_a_failure_in_the_worker_fails_that_job_only(server, image):
     assert videos and all(not p.name.startswith(".") for p in videos)  # no partial file
 
 
+def test_delete_skips_a_waiting_job_and_removes_a_video_made_or_being_made(server, image):
+    """DELETE /v1/videos/{id}: a job waiting for its turn is never generated, a running one's video is removed when
+    it ends, a completed one's at once (FastVideo only forgets the job: the waiting one ran, and every video stayed)."""
+    videos = server.output_dir / "videos"
+    running = server.submit(image, prompt="a long one", **LONG_JOB).json()["id"]
+    server.wait(running, until=("in_progress",), timeout_s=120)
+    waiting = server.submit(image, prompt="a cat", size=SIZE, num_frames=FRAMES, seed=5).json()["id"]
+    assert server.client.delete(f"/v1/videos/{waiting}").status_code == 200
+    assert server.client.delete(f"/v1/videos/{running}").status_code == 200
+    later = server.wait(server.submit(image, prompt="a cat", size=SIZE, num_frames=FRAMES, seed=6).json()["id"])
+    assert later["status"] == "completed", later  # served after the running job ended, the deleted one skipped
+    assert f"Video {waiting} was deleted before its turn: not generated" in server.log.read_text(errors="replace")
+    assert not (videos / f"{waiting}.mp4").exists() and not (videos / f"{running}.mp4").exists()
+    made = Path(later["file_path"])
+    assert made.exists() and server.client.delete(f"/v1/videos/{later['id']}").status_code == 200
+    assert not made.exists() and server.client.get(f"/v1/videos/{later['id']}").status_code == 404
+    assert _files(server.output_dir / "uploads") == []
+
+
 def test_the_servers_log_is_plain_text(server):
     """The server's output goes to a file: the worker's prefix without colour codes, and no decoder bar (the test
     servers run with TQDM_DELAY=0, which would draw it at once)."""

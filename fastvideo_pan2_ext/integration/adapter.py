@@ -460,30 +460,32 @@ def validated_serve_config_of(args):
     return getattr(args, serve._VALIDATED_SERVE_CONFIG_ATTR)
 
 
-def run_video_server(config, *, check_request: Callable, run_job: Callable, health: Callable,
-                     stopped: Callable) -> None:
+def run_video_server(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
+                     deleted: Callable) -> None:
     """FastVideo's REST server for `config` (a ServeConfig), with `check_request(request_id, req, original)` in
     place of its request-to-kwargs step (returns the kwargs, or raises fastapi's HTTPException), `run_job(request_id,
     kwargs)` (a coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
-    and `stopped()` called after FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing runs later).
-    Returns when the server stops."""
+    `deleted(job)` called with each job a DELETE removed from the job store, and `stopped()` called after
+    FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing runs later). Returns when the server
+    stops."""
     from fastvideo.api.compat import generator_config_to_fastvideo_args
     from fastvideo.entrypoints.openai import api_server
 
-    _replace_server_parts(check_request, run_job, health, stopped)
+    _replace_server_parts(check_request, run_job, health, stopped, deleted)
     server = config.server
     api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
                           output_dir=server.output_dir, default_request=config.default_request)
 
 
-def video_server_app(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable):
+def video_server_app(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
+                     deleted: Callable):
     """The ASGI app `run_video_server` serves (the same replacements), for an engine that runs apps itself (a Ray
     Serve replica): the model loads in its lifespan's startup, `stopped()` runs after its shutdown. Check
     `config.default_request` first (`check_default_request`), as FastVideo's run_server does."""
     from fastvideo.api.compat import generator_config_to_fastvideo_args
     from fastvideo.entrypoints.openai import api_server
 
-    _replace_server_parts(check_request, run_job, health, stopped)
+    _replace_server_parts(check_request, run_job, health, stopped, deleted)
     return api_server.create_app(generator_config_to_fastvideo_args(config.generator),
                                  output_dir=config.server.output_dir, default_request=config.default_request)
 
@@ -496,11 +498,13 @@ def check_default_request(config) -> None:
         api_server._validate_default_request_against_preset(config.default_request, config.generator.model_path)
 
 
-def _replace_server_parts(check_request: Callable, run_job: Callable, health: Callable, stopped: Callable) -> None:
+def _replace_server_parts(check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
+                          deleted: Callable) -> None:
     """The replacements of `run_video_server`, in this process's FastVideo server modules."""
     import contextlib
 
     from fastvideo.entrypoints.openai import api_server, video_api
+    from fastvideo.entrypoints.openai.stores import VIDEO_STORE
 
     build = video_api._build_generation_kwargs
     video_api._build_generation_kwargs = lambda request_id, req, default_request=None: check_request(
@@ -523,6 +527,17 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
 
     _once(video_api, "save_image_to_path", make_save)
     _once(video_api, "VideoGenerationsRequest", lambda original: functools.partial(_request_or_400, original))
+
+    def make_pop(pop):  # the job store's pop serves DELETE /v1/videos/{id} only
+        async def pop_job(key: str):
+            job = await pop(key)
+            if job is not None:
+                deleted(job)
+            return job
+
+        return pop_job
+
+    _once(VIDEO_STORE, "pop", make_pop)
 
     def make(original):
         def create_app(*args, **kwargs):
@@ -606,6 +621,13 @@ def served_output_dir() -> str:
     from fastvideo.entrypoints.openai.state import get_output_dir
 
     return get_output_dir()
+
+
+async def job_exists(request_id: str) -> bool:
+    """Whether the server's job store still holds the job (a DELETE removes it)."""
+    from fastvideo.entrypoints.openai.stores import VIDEO_STORE
+
+    return await VIDEO_STORE.get(request_id) is not None
 
 
 async def update_job(request_id: str, fields: dict) -> None:

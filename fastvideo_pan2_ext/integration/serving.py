@@ -193,6 +193,9 @@ class PAN2Server:
             self._turn = asyncio.Lock()
         try:
             async with self._turn:
+                if not await adapter.job_exists(request_id):  # deleted while it waited for its turn
+                    logger.info("Video %s was deleted before its turn: not generated", request_id)
+                    return
                 self._running[request_id] = Path(kwargs["output_path"])
                 await adapter.update_job(request_id, {"status": "in_progress", "progress": 0})
                 start = time.perf_counter()
@@ -205,7 +208,9 @@ class PAN2Server:
                     update = {"status": "failed", "error": {"message": self._reason(exc)}}
                     logger.error("Video %s failed: %s", request_id, update["error"]["message"], exc_info=exc)
                 await adapter.update_job(request_id, update)
-                self._running.pop(request_id, None)
+                video = self._running.pop(request_id, None)
+                if video is not None and not await adapter.job_exists(request_id):  # deleted while it ran
+                    video.unlink(missing_ok=True)
         finally:
             self._drop_upload(request_id)
 
@@ -238,6 +243,13 @@ class PAN2Server:
             asyncio.get_running_loop().call_later(self.rules.upload_retention_s, upload.unlink, True)
         else:
             upload.unlink(missing_ok=True)
+
+    def deleted(self, job: dict) -> None:
+        """After DELETE /v1/videos/{id} removed `job`: its video goes (a job still waiting is not run, and one
+        running loses its video when it ends: `run_job`)."""
+        video = job.get("file_path")
+        if video and job.get("status") == "completed":
+            Path(video).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------------------------- health, stop
 
@@ -319,7 +331,7 @@ def served_app(config, rules: ServingRules):
     apply_fa4_policy()  # in the replica, so the workers it spawns inherit the decision
     server = PAN2Server(rules)
     app = adapter.video_server_app(config, check_request=server.check_request, run_job=server.run_job,
-                                   health=server.health, stopped=server.stopped)
+                                   health=server.health, stopped=server.stopped, deleted=server.deleted)
     return app, server.unhealthy
 
 
@@ -359,7 +371,8 @@ def _run(args, fastvideo_run) -> None:
     server = PAN2Server(rules)
     try:
         adapter.run_video_server(config, check_request=server.check_request,
-                                 run_job=server.run_job, health=server.health, stopped=server.stopped)
+                                 run_job=server.run_job, health=server.health, stopped=server.stopped,
+                                 deleted=server.deleted)
     finally:  # a second Ctrl-C skips FastVideo's shutdown (uvicorn's forced exit)
         server.stopped()
 
