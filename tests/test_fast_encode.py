@@ -256,16 +256,21 @@ def test_a_weight_turned_non_finite_is_fastvideos_until_it_is_finite_again(caplo
     fast encoder was made runs FastVideo's encode (one warning); made finite again, it is the fast encoder's."""
     vae = _wan21_vae_of_config()
     x = _video((1, 3, 5, 16, 16), seed=14)
+    from fastvideo_pan2_ext.integration import fast_encode
+
     weight = vae.encoder.down_blocks[1].conv2.weight
     with torch.no_grad():
-        _assert_within_fp32_rounding(vae.encode(x), _fastvideo_encode(vae, x))  # the fast encoder, made
+        _assert_within_fp32_rounding(vae.encode(x), _fastvideo_encode(vae, x))
+        encoder = fast_encode._encoders[vae][1]  # the fast encoder served it
         kept = weight.clone()
         weight[0, 0, 0, 0, 0] = float("nan")
         _served_by_fastvideo(vae, x, caplog, "the fast encoder cannot take this VAE's encoder weights "
                                              "(state_dict['encoder.down_blocks.1.conv2.weight'] has non-finite "
                                              "values)")
         weight.copy_(kept)
+        encoder.last_plan = None
         _assert_within_fp32_rounding(vae.encode(x), _fastvideo_encode(vae, x))
+        assert encoder.last_plan is not None  # the fast encoder served it again
 
 
 def test_unmerged_lora_weights_are_fastvideos_until_merged(caplog):

@@ -112,7 +112,13 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
             "invalid request: fps: Input should be a valid integer"),
         "a field FastVideo's request refuses (JSON)": (  # FastVideo: pydantic's lines, and the upload stayed
             server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE, num_frames=FRAMES,
-                               fps="many"), "invalid request: fps: Input should be a valid integer"),
+                               fps="many"), "Invalid request body: invalid request: fps: Input should be a valid"),
+        "a JSON key named as our function's parameter": (
+            server.submit_json(prompt="x", reference_url=_data_url(image), size=SIZE, num_frames=FRAMES,
+                               fps="many", request_class=1), "Invalid request body: invalid request: fps:"),
+        "an extra_body that is not an object (multipart)": (  # FastVideo: an unhandled error, and the upload stayed
+            server.submit(image, prompt="x", size=SIZE, extra_body="[]"),
+            "invalid request: AttributeError: 'list' object has no attribute 'get'"),
         "a file name with a path": (  # FastVideo stores it as uploads/<id>_<name>: three folders up, were it kept
             server.client.post("/v1/videos", files={
                 "input_reference": ("a/../../../planted.jpg", image.read_bytes(), "image/jpeg"),
@@ -176,7 +182,9 @@ def test_delete_skips_a_waiting_job_and_removes_a_video_made_or_being_made(serve
     assert server.client.delete(f"/v1/videos/{running}").status_code == 200
     later = server.wait(server.submit(image, prompt="a cat", size=SIZE, num_frames=FRAMES, seed=6).json()["id"])
     assert later["status"] == "completed", later  # served after the running job ended, the deleted one skipped
-    assert f"Video {waiting} was deleted before its turn: not generated" in server.log.read_text(errors="replace")
+    log = server.log.read_text(errors="replace")
+    assert f"Video {waiting} was deleted before its turn: not generated" in log
+    assert f"Video {running} completed" in log  # it made its video, which its DELETE then removed
     assert not (videos / f"{waiting}.mp4").exists() and not (videos / f"{running}.mp4").exists()
     made = Path(later["file_path"])
     assert made.exists() and server.client.delete(f"/v1/videos/{later['id']}").status_code == 200

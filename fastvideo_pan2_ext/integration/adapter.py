@@ -190,6 +190,17 @@ SERVE_SEAMS = (
          mentions="_run_generation(request_id"),
     Seam("fastvideo.entrypoints.openai.video_api", "create_video", "... and stores an upload through "
          "save_image_to_path by its module name", mentions="await save_image_to_path(image, input_path)"),
+    Seam("fastvideo.entrypoints.openai.video_api", "VideoGenerationsRequest", "a field its model refuses is a one-line "
+         "400 (FastVideo: an unhandled error for a multipart request, pydantic's many lines for a JSON one)",
+         replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "create_video", "... which create_video makes by its module name",
+         mentions="req = VideoGenerationsRequest("),
+    Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE.pop", "a DELETE removes the job's video and keeps a "
+         "waiting job from running (FastVideo only forgets the job)", replaced=True),
+    Seam("fastvideo.entrypoints.openai.video_api", "delete_video", "... DELETE /v1/videos/{id} pops the job store",
+         mentions="VIDEO_STORE.pop(video_id)"),
+    Seam("fastvideo.entrypoints.openai.stores", "AsyncDictStore.update_fields", "a job's update says whether the "
+         "store still holds it", mentions="return None"),
     Seam("fastvideo.entrypoints.openai.state", "get_generator", "the server's VideoGenerator"),
     Seam("fastvideo.entrypoints.openai.state", "get_output_dir", "the server's output folder"),
     Seam("fastvideo.entrypoints.openai.stores", "VIDEO_STORE", "job status updates"),
@@ -520,7 +531,9 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
                 for written in glob.glob(glob.escape(path) + "*"):  # what a failed save wrote (it may add a suffix)
                     _remove(written)
                 raise
-            _SAVED_UPLOAD.set(saved)
+            holder = _SAVED_UPLOADS.get()
+            if holder is not None:
+                holder.append(saved)
             return saved
 
         return save_image_to_path
@@ -544,6 +557,7 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
             app = original(*args, **kwargs)
             app.router.routes[:] = [r for r in app.router.routes if not _unserved(r)]
             app.add_api_route("/health", health, methods=["GET"])
+            app.add_middleware(_UploadGuard)
             fastvideo_lifespan = app.router.lifespan_context
 
             @contextlib.asynccontextmanager
@@ -562,24 +576,72 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
     _once(api_server, "create_app", make)
 
 
-# The upload the request being handled saved (each request runs in its own task, with its own context).
-_SAVED_UPLOAD: contextvars.ContextVar[str | None] = contextvars.ContextVar("pan2_saved_upload", default=None)
+# The uploads the POST being handled saved (a list per request, set by `_UploadGuard` around it).
+_SAVED_UPLOADS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pan2_saved_uploads", default=None)
 
 
-def _request_or_400(request_class, **fields):
-    """FastVideo's request object from a submission's fields; fields it refuses are a one-line 400 (FastVideo answers
-    a multipart one with a 500 and a JSON one with pydantic's many lines), and the upload this request saved goes."""
-    import pydantic
+class _UploadGuard:
+    """ASGI middleware around POST /v1/videos: the uploads the request saved go when it is not accepted (any answer but
+    200: PAN2's refusals, FastVideo's own 400s), and an error FastVideo's handler lets escape after saving one (a
+    multipart `extra_body` that is JSON but not an object, say: a dropped connection) is a one-line 400."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/videos":
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        saved: list[str] = []
+        statuses: list[int] = []
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+            await send(message)
+
+        token = _SAVED_UPLOADS.set(saved)
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:  # noqa: BLE001 - not an interrupt: this request is refused, the server goes on
+            for upload in saved:
+                _remove(upload)
+            if statuses:  # the answer had started: nothing more can be said
+                raise
+            line = (str(exc).strip().splitlines() or [""])[0]
+            await JSONResponse({"detail": f"invalid request: {type(exc).__name__}: {line}"}, status_code=400)(
+                scope, receive, send)
+            return
+        finally:
+            _SAVED_UPLOADS.reset(token)
+        if statuses[:1] != [200]:
+            for upload in saved:
+                _remove(upload)
+
+
+def _one_line_400(detail: str):
+    """fastapi's HTTPException 400 whose str is its detail alone (FastVideo's JSON branch quotes str(exception))."""
     from fastapi import HTTPException
+
+    class OneLine(HTTPException):
+        def __str__(self) -> str:
+            return self.detail
+
+    return OneLine(status_code=400, detail=detail)
+
+
+def _request_or_400(request_class, /, **fields):
+    """FastVideo's request object from a submission's fields; fields it refuses are a one-line 400 (FastVideo answers
+    a multipart one with an unhandled error and a JSON one with pydantic's many lines)."""
+    import pydantic
 
     try:
         return request_class(**fields)
     except pydantic.ValidationError as exc:
-        upload = _SAVED_UPLOAD.get()
-        if upload is not None:
-            _remove(upload)
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in exc.errors())
-        raise HTTPException(status_code=400, detail=f"invalid request: {problems}") from None
+        raise _one_line_400(f"invalid request: {problems}") from None
 
 
 def _remove(path: str) -> None:
@@ -623,18 +685,12 @@ def served_output_dir() -> str:
     return get_output_dir()
 
 
-async def job_exists(request_id: str) -> bool:
-    """Whether the server's job store still holds the job (a DELETE removes it)."""
+async def update_job(request_id: str, fields: dict) -> bool:
+    """Update a job's fields in the server's job store (what GET /v1/videos/{id} answers); False when the store no
+    longer holds the job (a DELETE removed it)."""
     from fastvideo.entrypoints.openai.stores import VIDEO_STORE
 
-    return await VIDEO_STORE.get(request_id) is not None
-
-
-async def update_job(request_id: str, fields: dict) -> None:
-    """Update a job's fields in the server's job store (what GET /v1/videos/{id} answers)."""
-    from fastvideo.entrypoints.openai.stores import VIDEO_STORE
-
-    await VIDEO_STORE.update_fields(request_id, fields)
+    return await VIDEO_STORE.update_fields(request_id, fields) is not None
 
 
 def worker_processes(generator) -> list:

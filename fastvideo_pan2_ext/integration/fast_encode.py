@@ -85,6 +85,9 @@ def cannot_serve(vae, x) -> tuple[str, str] | None:
         return "weights", (f"the VAE's config says patch_size {vae.config.patch_size!r} but its encoder takes "
                            f"{config.in_channels} channels (3 x p x p with p = {config.patch_size})")
     where = vae_device(vae)
+    if where.type == "meta":
+        return "weights", ("the fast encoder cannot take this VAE's encoder weights (they are on the meta device: not "
+                           "loaded, e.g. offloaded layer by layer)")
     if x.device != where:
         return "device", f"the video is on {x.device} and the VAE's encoder weights on {where}"
     try:

@@ -193,11 +193,10 @@ class PAN2Server:
             self._turn = asyncio.Lock()
         try:
             async with self._turn:
-                if not await adapter.job_exists(request_id):  # deleted while it waited for its turn
+                if not await adapter.update_job(request_id, {"status": "in_progress", "progress": 0}):
                     logger.info("Video %s was deleted before its turn: not generated", request_id)
                     return
                 self._running[request_id] = Path(kwargs["output_path"])
-                await adapter.update_job(request_id, {"status": "in_progress", "progress": 0})
                 start = time.perf_counter()
                 try:
                     await asyncio.get_running_loop().run_in_executor(self._thread, self._generate, kwargs)
@@ -207,9 +206,9 @@ class PAN2Server:
                 except Exception as exc:  # this job failed; the server goes on
                     update = {"status": "failed", "error": {"message": self._reason(exc)}}
                     logger.error("Video %s failed: %s", request_id, update["error"]["message"], exc_info=exc)
-                await adapter.update_job(request_id, update)
+                kept = await adapter.update_job(request_id, update)
                 video = self._running.pop(request_id, None)
-                if video is not None and not await adapter.job_exists(request_id):  # deleted while it ran
+                if video is not None and not kept:  # deleted while it ran: its video goes too
                     video.unlink(missing_ok=True)
         finally:
             self._drop_upload(request_id)
@@ -245,11 +244,16 @@ class PAN2Server:
             upload.unlink(missing_ok=True)
 
     def deleted(self, job: dict) -> None:
-        """After DELETE /v1/videos/{id} removed `job`: its video goes (a job still waiting is not run, and one
-        running loses its video when it ends: `run_job`)."""
+        """After DELETE /v1/videos/{id} removed `job`: a completed job's video goes, a waiting one's upload (the job
+        is not run when its turn comes, and a running one loses its video when it ends: `run_job`)."""
+        if job.get("status") == "queued":
+            self._drop_upload(job.get("id", ""))
         video = job.get("file_path")
         if video and job.get("status") == "completed":
-            Path(video).unlink(missing_ok=True)
+            try:
+                Path(video).unlink(missing_ok=True)
+            except OSError as exc:  # the job is gone all the same; the file stays, and the log says so
+                logger.warning("Video %s deleted, but its file %s could not be removed: %s", job.get("id"), video, exc)
 
     # ------------------------------------------------------------------------------------------- health, stop
 

@@ -165,8 +165,8 @@ class WeightValuesError(ValueError):
 
 def _check_values(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
-        raise WeightValuesError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module offloaded "
-                         "layer by layer, e.g. by accelerate's sequential CPU offload)")
+        raise WeightValuesError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module "
+                                "offloaded layer by layer, e.g. by accelerate's sequential CPU offload)")
     if not torch.isfinite(tensor).all():
         raise WeightValuesError(f"state_dict[{name!r}] has non-finite values")
 
