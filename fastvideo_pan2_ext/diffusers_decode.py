@@ -41,22 +41,6 @@ from fastvideo_pan2_ext.vae_kernel.portable import weights
 __all__ = ["enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled", "unsupported_reason"]
 
 
-def check_options(options: dict, pg=None) -> decoder_options.DecoderOptions:
-    """The options, checked by the decoder's own rules (`vae_kernel.options`), and `pg`: a group of several ranks
-    never tiles (ValueError naming the first bad one)."""
-    checked = decoder_options.check(options)
-    if pg is not None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("pg was given but torch.distributed is not initialized (call init_process_group first)")
-        if not isinstance(pg, dist.ProcessGroup):
-            raise ValueError(f"pg must be a torch.distributed process group or None; got {type(pg).__name__}")
-        ranks = dist.get_world_size(pg)
-        if ranks > 1 and checked.tiled:
-            raise ValueError("tile_rows / max_memory tile a decode on one rank; with a process group of "
-                             f"{ranks} ranks the ranks split the rows instead: pass one or the other")
-    return checked
-
-
 def _diffusers_would_tile(vae: AutoencoderKLWan, z: torch.Tensor) -> bool:
     """diffusers' own condition in `_decode`: a latent side larger than its tile's."""
     ratio = vae.spatial_compression_ratio
@@ -125,7 +109,8 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     conv_algorithm; a ValueError names a bad one), `pg` a process group whose ranks split each decode's rows. Calling
     it again replaces the options."""
     wan_vae_of(target)
-    diffusers_route.enable(target, FastDecode, check_options(options, pg), pg)
+    diffusers_route.enable(target, FastDecode, diffusers_route.check_group(decoder_options.check(options), pg,
+                                                                          "decode"), pg)
 
 
 def disable_fast_decode(target) -> None:

@@ -17,8 +17,11 @@ What stays diffusers':
 
 diffusers' switches keep their meaning: `enable_slicing()` encodes the batch one element after another (the same
 moments); `enable_tiling()` encodes in exact two-phase tiles of diffusers' encode tile height in latent rows
-(`tile_sample_min_height` patchified rows: `diffusers_route.tile_rows_of`) where diffusers would tile (the same moments as untiled, no seams), unless the options set `tile_rows`
-or `max_memory`, which always apply. Copies keep the switch as the decoder's do (`diffusers_route.Route`).
+(`tile_sample_min_height` patchified rows: `diffusers_route.tile_rows_of`) where diffusers would tile (the same
+moments as untiled, no seams), unless the options set `tile_rows` or `max_memory`, which always apply. With `pg` (a
+process group of several ranks, every rank calling the pipeline with the same video) the ranks split the rows of each
+encode and every rank gets the moments (`WanVAEEncoder`'s bands), so every rank samples the same latents from the same
+generator. Copies keep the switch as the decoder's do (`diffusers_route.Route`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class FastEncode(diffusers_route.Route):
 
     def make(self, vae: AutoencoderKLWan) -> WanVAEEncoder:
         options = {name: getattr(self.options, name) for name in options_mod.ENCODE_NAMES}
-        return WanVAEEncoder(vae, device=vae.device, **options)
+        return WanVAEEncoder(vae, device=vae.device, pg=self.pg, local=self.pg is None, **options)
 
     def smallest_input(self, encoder: WanVAEEncoder) -> tuple[int, ...]:
         side = encoder.config.spatial_scale
@@ -70,6 +73,10 @@ class FastEncode(diffusers_route.Route):
         tiles of its tile height in latent rows."""
         if not self.options.tiled:
             would = vae.use_tiling and _diffusers_would_tile(vae, video)
+            if would and encoder.pg is not None:
+                self.warn_once("tiling", "the ranks of the process group split each encode's rows; "
+                                         "vae.enable_tiling() is not applied on top of that")
+                would = False
             encoder.tile_rows = tile_rows_of(vae, encode=True) if would else None
 
     def run(self, encoder: WanVAEEncoder, video: torch.Tensor) -> torch.Tensor:
@@ -85,12 +92,14 @@ class FastEncode(diffusers_route.Route):
             self.worker = None
 
 
-def enable_fast_encode(target, **options) -> None:
+def enable_fast_encode(target, *, pg=None, **options) -> None:
     """Encode with `target`'s Wan VAE (an AutoencoderKLWan, or a pipeline's `.vae`) by the fast encoder; `options` are
     `WanVAEEncoder`'s (`vae_kernel.options.ENCODE_OPTIONS`: frames_per_pass, tile_rows, max_memory, backend,
-    precision, reuse_steady; a ValueError names a bad one). Calling it again replaces the options."""
+    precision, reuse_steady; a ValueError names a bad one), `pg` a process group whose ranks split each encode's
+    rows. Calling it again replaces the options."""
     wan_vae_of(target)
-    diffusers_route.enable(target, FastEncode, options_mod.check(options, part="encode"))
+    diffusers_route.enable(target, FastEncode, diffusers_route.check_group(options_mod.check(options, part="encode"),
+                                                                          pg, "encode"), pg)
 
 
 def disable_fast_encode(target) -> None:

@@ -20,6 +20,7 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 from diffusers import AutoencoderKLWan
 
 from fastvideo_pan2_ext.vae_kernel.portable import passes
@@ -226,6 +227,21 @@ def _apply(vae: AutoencoderKLWan, *args, **kwargs):
     for route in [r for r in vae.__dict__.values() if isinstance(r, Route)]:
         route.vae_moved(vae)
     return result
+
+
+def check_group(options, pg, work: str):
+    """`options` (checked), after checking `pg`: None or a process group, and a group of several ranks never tiles
+    (its ranks split the rows of each `work`, "decode" or "encode"); a ValueError names the problem."""
+    if pg is not None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("pg was given but torch.distributed is not initialized (call init_process_group first)")
+        if not isinstance(pg, dist.ProcessGroup):
+            raise ValueError(f"pg must be a torch.distributed process group or None; got {type(pg).__name__}")
+        ranks = dist.get_world_size(pg)
+        if ranks > 1 and options.tiled:
+            raise ValueError(f"tile_rows / max_memory tile a {work} on one rank; with a process group of "
+                             f"{ranks} ranks the ranks split the rows instead: pass one or the other")
+    return options
 
 
 def enable(target, route_class: type[Route], options, pg=None) -> None:

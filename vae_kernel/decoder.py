@@ -10,7 +10,6 @@ in step (`agreement`) and retries a decode that ran out of memory.
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Iterator
 
 import torch
@@ -19,12 +18,12 @@ import torch.distributed as dist
 from . import options as options_mod
 from .backends import select_ops
 from .definitions.architecture import check_latents, video_shape
-from .distributed.agreement import DecodeRequest, agree, first_line, gather, joined, peer_error, supported_dtype
-from .distributed.bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows, comm_device
+from .distributed.agreement import (AttemptFailed, DecodeRequest, agree, failure, finish, retry_choice, settle,
+                                    supported_dtype)
+from .distributed.bands import FAILED, OK, LocalRows, RankRows, comm_device
 from .planning import memory
 from .planning.memory import DecodePlan
 from .portable import weights as weights_mod
-from .portable.ops import is_out_of_memory
 from .portable.passes import Chunk, PassRunner, latent_passes
 
 logger = logging.getLogger(__name__)
@@ -70,18 +69,6 @@ class DecodeRestart(torch.OutOfMemoryError):
     def __init__(self, message: str, plan: DecodePlan) -> None:
         super().__init__(message)
         self.plan = plan
-
-
-class _AttemptFailed(Exception):
-    """One decode attempt failed on some rank (internal): `status` (OUT_OF_MEMORY or FAILED), the group ranks that
-    failed, this rank's own error if it is one of them, the first failing rank's first line, whether any rank had
-    yielded chunks, and what a rank that did not fail raises for a FAILED attempt."""
-
-    def __init__(self, status: int, ranks: list[int], error: BaseException | None, text: str, yielded: bool,
-                 peer_error: Exception | None) -> None:
-        super().__init__(text)
-        self.status, self.ranks, self.error, self.text, self.yielded = status, ranks, error, text, yielded
-        self.peer_error = peer_error
 
 
 class WanVAEDecoder:
@@ -327,7 +314,7 @@ class WanVAEDecoder:
 
     def _attempts(self, latents, stream: bool, start, video: list | None = None) -> Iterator[Chunk]:
         """Every attempt of one decode: each runs from the start at its plan; the ranks of a group settle each one
-        together (`_settle`)."""
+        together (`agreement.settle`)."""
         key = (tuple(latents.shape[2:]), stream)
         tried = self._tried.setdefault(key, [])
         yielded = False
@@ -355,14 +342,14 @@ class WanVAEDecoder:
                         del item  # not held while the next pass runs
                 except GeneratorExit:  # the consumer stopped: the group hears of it unless every chunk was out
                     status = OK if remaining <= 0 else FAILED
-                    self._finish(rows, status)
+                    finish(rows, status)
                     try:
-                        self._settle(rows, status, None, False, "its consumer stopped iterating decode_iter")
-                    except _AttemptFailed:
+                        settle(rows, status, None, False, "its consumer stopped iterating decode_iter")
+                    except AttemptFailed:
                         pass
                     raise
-                self._finish(rows, OK)
-                self._settle(rows, OK, None, yielded)
+                finish(rows, OK)
+                settle(rows, OK, None, yielded)
                 break
             except GeneratorExit:
                 raise
@@ -374,7 +361,7 @@ class WanVAEDecoder:
                 chunks = None
             if video:
                 video.clear()
-            failed = self._failure(error, rows, yielded)
+            failed = failure(error, rows, yielded)
             error = None
             if failed.error is not None:
                 raise failed.error
@@ -384,56 +371,12 @@ class WanVAEDecoder:
         self.last_retries = tuple(tried)
         tried.clear()
 
-    def _finish(self, rows: LocalRows, status: int) -> None:
-        """The status round after this rank's last exchange, or in place of its next one after a failure (a peer's
-        failure heard here is settled next)."""
-        if isinstance(rows, RankRows) and rows.active:
-            try:
-                rows.check_peers(status)
-            except PeerFailed:
-                pass
-
-    def _settle(self, rows: LocalRows, status: int, own: BaseException | None, yielded: bool, line: str = "") -> None:
-        """Every rank's own status of the attempt (OK on a rank that only heard of a failure), the idle ranks' too,
-        with the first line of its failure (`own`'s, or `line`): _AttemptFailed on every rank when any failed."""
-        line = first_line(own) if own is not None else line
-        if not isinstance(rows, RankRows):
-            if status != OK:
-                raise _AttemptFailed(status, [0], own if status == FAILED else None, line, yielded, None)
-            return
-        reports = gather(rows.pg, rows.comm_device, status, [int(yielded)], line)
-        worst = max(report.status for report in reports)
-        if worst == OK:
-            return
-        failed = [report for report in reports if report.status == worst]
-        raise _AttemptFailed(worst, [report.rank for report in failed], own if status == FAILED else None,
-                             failed[0].line, any(report.values[0] for report in reports),
-                             peer_error(failed[0], "while decoding"))
-
-    def _failure(self, error: BaseException, rows: LocalRows, yielded: bool) -> _AttemptFailed:
-        """What a failed attempt means for every rank (after its status round and the group's settling)."""
-        if isinstance(error, _AttemptFailed):
-            return error
-        if isinstance(error, PeerFailed):  # heard at an exchange (whose status round it was): this rank is well
-            status, error = OK, None
-        else:
-            status = OUT_OF_MEMORY if is_out_of_memory(error) else FAILED
-            if status == OUT_OF_MEMORY:
-                traceback.clear_frames(error.__traceback__)  # the attempt's tensors live in those frames
-                error = error.with_traceback(None)
-            self._finish(rows, status)
-        try:
-            self._settle(rows, status, error, yielded)
-        except _AttemptFailed as failed:
-            return failed
-        raise AssertionError("a failed attempt settled as a success")  # unreachable: a rank reported its failure
-
     def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan,
-               failure: _AttemptFailed) -> tuple[DecodePlan, LocalRows]:
+               attempt: AttemptFailed) -> tuple[DecodePlan, LocalRows]:
         """After an out-of-memory attempt (on any rank): release what it held, choose the plan below it (the ranks
         take the `memory.smallest` of their proposals, in a round that a rank whose choice fails joins too), warn,
         and start again (or raise when no smaller plan is left)."""
-        text, yielded = failure.text, failure.yielded
+        text, yielded = attempt.text, attempt.yielded
         tried.append(failed)
 
         def proposal() -> DecodePlan | None:
@@ -443,16 +386,7 @@ class WanVAEDecoder:
             return self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
                                             may_tile=self.pg is None)
 
-        def proposed_frames_per_pass() -> list[int]:  # 0: none smaller
-            smaller = proposal()
-            return [0 if smaller is None else smaller.frames_per_pass]
-
-        if self.pg is None:
-            smaller = proposal()
-        else:
-            proposals = [int(p) for p, in joined(self.pg, self._comm_device, proposed_frames_per_pass, 1,
-                                                 "choosing the plan to retry at after running out of memory")]
-            smaller = None if 0 in proposals else memory.smallest(DecodePlan(p, None) for p in proposals)
+        smaller = retry_choice(self.pg, self._comm_device, proposal)
         if smaller is None:
             plans = "; ".join(str(p) for p in tried)
             self.last_retries = tuple(tried)

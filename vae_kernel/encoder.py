@@ -3,25 +3,28 @@
 The same math as `reference.encode` (diffusers' `AutoencoderKLWan.encode`), on the decoder's machinery: the op table,
 the causal histories, the prepared weights that follow the VAE (`weights.DecoderWeights` with the encoder's part),
 the memory planner and its out-of-memory retry plans (`planning.memory`). This module validates input, chooses the
-precision and the plan, and retries an encode that ran out of memory.
+precision and the plan, keeps the ranks of a group in step (`agreement`, as the decoder does) and retries an encode
+that ran out of memory.
 """
 
 from __future__ import annotations
 
 import logging
-import traceback
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from . import options as options_mod
 from .decoder import _module_device, _resolve_device
 from .definitions.architecture import check_video, encoded_shape
 from .definitions.precision import own_arithmetic
+from .distributed.agreement import DecodeRequest, agree, failure, finish, retry_choice, settle
+from .distributed.bands import FAILED, OK, LocalRows, RankRows, comm_device
 from .planning import memory
 from .planning.memory import DecodePlan
 from .portable import weights as weights_mod
-from .portable.ops import TORCH_OPS, Ops, is_out_of_memory
+from .portable.ops import TORCH_OPS, Ops
 from .portable.passes import EncodeRunner
 
 logger = logging.getLogger(__name__)
@@ -53,11 +56,15 @@ def _encoder_ops(backend) -> Ops:
 class WanVAEEncoder:
     """The fast Wan VAE encoder (the Wan2.2 and the Wan2.1 layout).
 
-    `WanVAEEncoder(vae_or_state_dict, device=None, **options)` takes diffusers' (or FastVideo's) `AutoencoderKLWan`
-    or its state dict; the architecture is read from the weights, and `device` defaults to the module's (where its
-    weights are), or "cuda" for a state dict. Made from a module it follows the module's weights, as
-    `WanVAEDecoder` does. The options are defined in `options.ENCODE_OPTIONS`: `frames_per_pass`, `tile_rows` /
-    `max_memory` (exact two-phase tiles), `backend`, `precision`, `reuse_steady`.
+    `WanVAEEncoder(vae_or_state_dict, device=None, pg=None, local=False, **options)` takes diffusers' (or
+    FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights, and `device`
+    defaults to the module's (where its weights are), or "cuda" for a state dict. Made from a module it follows the
+    module's weights, as `WanVAEDecoder` does. The options are defined in `options.ENCODE_OPTIONS`:
+    `frames_per_pass`, `tile_rows` / `max_memory` (exact two-phase tiles, one rank), `backend`, `precision`,
+    `reuse_steady`. As the decoder: with a process group of N ranks (`pg`; by default the initialized default group)
+    each rank encodes a band of latent rows, halo rows exchanged at every conv and the attention's keys and values
+    gathered, and every rank returns the whole moments (the ranks must pass the same video); `local=True` encodes on
+    the calling rank alone (ranks that hold different videos).
 
     `encode(video)` maps a video [B, 3, F, H, W] in [-1, 1] to the moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s,
     W / s] (mean, then logvar before diffusers' clamp), in the VAE's dtype: diffusers'
@@ -68,9 +75,16 @@ class WanVAEEncoder:
     the steady reuse run the same ops on the same inputs (docs/design.md, "Exact by construction").
     """
 
-    def __init__(self, vae_or_state_dict, device=None, **options) -> None:
+    def __init__(self, vae_or_state_dict, device=None, pg=None, local: bool = False, **options) -> None:
         opts = self.options = options_mod.check(options, part="encode")
         self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
+        if pg is None and not local and dist.is_available() and dist.is_initialized():
+            pg = dist.group.WORLD
+        self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
+        if self.pg is not None and opts.tiled:
+            raise ValueError("tile_rows / max_memory tile the encode, which runs on one rank: pass local=True (or no "
+                             "process group)")
+        self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
         self.ops = _encoder_ops(opts.backend)
         # The VAE itself is held weakly (a diffusers VAE holds its fast encoder: no reference cycle).
         self._source = weakref.ref(vae_or_state_dict) if isinstance(vae_or_state_dict, torch.nn.Module) else \
@@ -174,9 +188,43 @@ class WanVAEEncoder:
         if fpp == memory.AUTO and repeats and self.options.reuse_steady:
             fpp = 1
         planned = memory.choose_plan(self._planner(video_shape), latent, fpp, self.tile_rows, False,
-                                     self.max_memory)
+                                     self.max_memory, self._ranks)
         ceiling = self._ceilings.get(self._ceiling_key(video_shape))
         return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
+
+    @property
+    def _ranks(self) -> int:
+        return 1 if self.pg is None else dist.get_world_size(self.pg)
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is rank 0 of the encode group, or a single-rank encoder (every rank returns the moments)."""
+        return self.pg is None or dist.get_rank(self.pg) == 0
+
+    def _start(self, video) -> tuple[torch.Tensor, DecodePlan]:
+        """Check the input and plan the encode: (the video, frames past 1 + 4k dropped; the plan). The ranks of a
+        group first agree on both (`agreement.agree`: an error on one rank, whatever it is, raises on all; they
+        encode at the `memory.smallest` of their plans)."""
+        checked = []
+
+        def checked_plan() -> DecodePlan:
+            self._sync()  # the weights are input too: a VAE changed since the last encode is read again
+            checked.append(self._checked(video))
+            kept = checked[0]
+            repeats = self.options.frames_per_pass == memory.AUTO and self.options.reuse_steady and \
+                self._repeats(kept)
+            return self.plan(kept.shape, repeats)
+
+        def request() -> DecodeRequest:
+            planned = checked_plan().frames_per_pass
+            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, self.config)
+
+        if self.pg is None:
+            plan = checked_plan()
+        else:
+            plan = memory.smallest(DecodePlan(fpp, None) for fpp in agree(self.pg, self._comm_device, request,
+                                                                          work="encode"))
+        return checked[0], plan
 
     def _ceiling_key(self, video_shape) -> tuple:
         return (*encoded_shape(self.config, tuple(video_shape))[2:], *tuple(video_shape)[3:])
@@ -187,50 +235,68 @@ class WanVAEEncoder:
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """video [B, 3, F, H, W] in [-1, 1] -> moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s, W / s] in the VAE's
-        dtype (see the class). Out of memory: encoded again from the start at a smaller plan (the same moments);
-        `EncodeOutOfMemoryError` when the smallest plan fails too."""
-        self._sync()
-        video = self._checked(video)
+        dtype (see the class), on every rank of a group. Out of memory (on any rank): encoded again from the start
+        at a smaller plan (the same moments); `EncodeOutOfMemoryError` when the smallest plan fails too. An error on
+        one rank raises on every rank."""
+        video, plan = self._start(video)
         latent = encoded_shape(self.config, video.shape)
-        repeats = self.options.frames_per_pass == memory.AUTO and self.options.reuse_steady and self._repeats(video)
-        plan = self.plan(video.shape, repeats)
+        rows = LocalRows(latent[3]) if self.pg is None else RankRows(latent[3], self.pg, self.device)
         tried: list[DecodePlan] = []
-        while True:
+        while True:  # the attempts, settled by every rank together (as the decoder's: `agreement.settle`)
             self.last_plan = plan
             try:
-                out = self._run(video, latent, plan)
+                out = self._run(video, latent, plan, rows)
+                finish(rows, OK)
+                settle(rows, OK, None, False, work="encode")
                 break
-            except BaseException as exc:  # noqa: BLE001 - only running out of memory is retried
-                if not is_out_of_memory(exc):
-                    raise
-                traceback.clear_frames(exc.__traceback__)  # the attempt's tensors live in those frames
-                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            tried.append(plan)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            smaller = self._planner(video.shape).retry_plan(latent, plan.frames_per_pass, plan.tile_rows, False,
-                                                            may_tile=True)
-            if smaller is None:
-                self.last_retries = tuple(tried)
-                raise EncodeOutOfMemoryError(
-                    f"the VAE encode of a video {list(video.shape)} ran out of memory at every plan it tried, the "
-                    f"smallest included: {'; '.join(map(str, tried))} ({text})", tuple(tried)) from None
-            logger.warning("VAE encode ran out of memory at %s; encoding again from the start at %s, the same "
-                           "latents (%s)", plan, smaller, text)
-            self._ceilings[self._ceiling_key(video.shape)] = smaller
-            plan = smaller
+            except BaseException as exc:  # noqa: BLE001 - the group hears of any failure, an interrupt too
+                error = exc
+            out = None
+            failed = failure(error, rows, False, "encode")
+            error = None
+            if failed.error is not None:
+                raise failed.error
+            if failed.status == FAILED:
+                raise failed.peer_error
+            plan = self._retry(video, latent, tried, plan, failed.text)
         self.last_retries = tuple(tried)
+        rows.share(out, 3)
         return out
 
-    def _run(self, video: torch.Tensor, latent, plan: DecodePlan) -> torch.Tensor:
+    def _retry(self, video, latent, tried: list, failed: DecodePlan, text: str) -> DecodePlan:
+        """After an out-of-memory attempt (on any rank): the plan below it (a group takes the smallest of its
+        ranks' proposals: `agreement.retry_choice`), or EncodeOutOfMemoryError when none is left."""
+        tried.append(failed)
+
+        def proposal() -> DecodePlan | None:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return self._planner(video.shape).retry_plan(memory.band_shape(latent, self._ranks),
+                                                         failed.frames_per_pass, failed.tile_rows, False,
+                                                         may_tile=self.pg is None)
+
+        smaller = retry_choice(self.pg, self._comm_device, proposal, "encode")
+        if smaller is None:
+            self.last_retries = tuple(tried)
+            raise EncodeOutOfMemoryError(
+                f"the VAE encode of a video {list(video.shape)} ran out of memory at every plan it tried, the "
+                f"smallest included: {'; '.join(map(str, tried))} ({text})", tuple(tried)) from None
+        logger.warning("VAE encode ran out of memory at %s; encoding again from the start at %s, the same latents "
+                       "(%s)", failed, smaller, text)
+        self._ceilings[self._ceiling_key(video.shape)] = smaller
+        return smaller
+
+    def _run(self, video: torch.Tensor, latent, plan: DecodePlan, rows: LocalRows) -> torch.Tensor:
+        """One attempt: every sample in turn, this rank's band of rows (the whole frame alone) into the moments."""
         runner = EncodeRunner(self.ops, self.weights, self.config, self.device, self.dtype, plan.frames_per_pass,
                               self.options.reuse_steady)
         out = torch.empty(latent, dtype=self.vae_dtype, device=self.device)
         tf32 = self.options.precision == "auto" and self.dtype == torch.float32
+        start, stop = rows.rows if rows.active else (0, 0)
         with own_arithmetic(self.device, tf32_as_caller=tf32):
-            for b in range(video.shape[0]):
-                moments, reused = runner.encode(video[b:b + 1], (1, *latent[1:]), plan.tile_rows)
-                out[b:b + 1].copy_(moments.permute(0, 4, 1, 2, 3))
+            for b in range(video.shape[0] if rows.active else 0):
+                moments, reused = runner.encode(video[b:b + 1], (1, *latent[1:]), plan.tile_rows, rows)
+                out[b:b + 1, :, :, start:stop].copy_(moments.permute(0, 4, 1, 2, 3))
                 if b == 0:
                     self.last_reuse = reused
                 del moments

@@ -123,7 +123,8 @@ def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
     if cached is None or cached[0] != key:
         cached = None
         _encoders.pop(vae, None)  # the old encoder's prepared weights go before the new ones are made
-        encoder = WanVAEEncoder(vae, device=device, **encoder_options.as_kwargs(opts))
+        # local: FastVideo's ranks may hold different videos (its preprocessing: each rank its own clips).
+        encoder = WanVAEEncoder(vae, device=device, local=True, **encoder_options.as_kwargs(opts))
         logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
                     "reuse_steady %s, one rank on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
                     opts.tile_rows, opts.max_memory, opts.reuse_steady, device)

@@ -77,6 +77,14 @@ class LocalRows:
         """Each band's tensor (same shape except dim -2, the rows) on the root, in band order; None elsewhere."""
         return [band]
 
+    def all_agree(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank holding rows (a step that skips its exchanges must be skipped by all)."""
+        return flag
+
+    def share(self, whole: torch.Tensor, dim: int) -> None:
+        """whole: a tensor whose rows (dim `dim`) are the frame's, filled in this rank's band -> filled in every band,
+        on every rank of the group, the idle ones too. After the attempt settled: every rank calls it."""
+
 
 class RankRows(LocalRows):
     """The bands of a process group: group rank i holds band i; ranks past the last band hold none.
@@ -149,6 +157,20 @@ class RankRows(LocalRows):
         others = [j for j in range(len(self.bands)) if j != self.index]
         self._exchange([(j, band) for j in others], [(j, parts[j]) for j in others])
         return torch.cat(parts, dim=1)
+
+    def all_agree(self, flag: bool) -> bool:
+        others = [j for j in range(len(self.bands)) if j != self.index]
+        theirs = {j: torch.empty(1, dtype=torch.int32) for j in others}
+        self._exchange([(j, torch.tensor([int(flag)], dtype=torch.int32)) for j in others], list(theirs.items()))
+        return flag and all(bool(t.item()) for t in theirs.values())
+
+    def share(self, whole: torch.Tensor, dim: int) -> None:
+        for j, (start, stop) in enumerate(self.bands):
+            rows = whole.narrow(dim, start, stop - start)
+            staged = rows.to(self.comm_device).contiguous()
+            dist.broadcast(staged, self._peer(j), group=self.pg)
+            if j != self.index:
+                rows.copy_(staged)
 
     def gather_to_root(self, band: torch.Tensor) -> list[torch.Tensor] | None:
         if not self.is_root:

@@ -115,7 +115,9 @@ class EncodePass(NetworkPass):
         # On the meta device (the planner's replay) there are no values to compare: every stage keeps what a settled
         # one keeps, so the replay counts the most the reuse can hold.
         values = x.device.type != "meta"
-        if values and memo.input is not None and memo.input.shape == x.shape and torch.equal(memo.input, x):
+        same = values and memo.input is not None and memo.input.shape == x.shape and torch.equal(memo.input, x)
+        # Ranks in bands skip a stage together: a stage that runs exchanges halos with its neighbours.
+        if values and self.rows.all_agree(same):
             memo.reused.append(self.index)
             if self.tile is not None:
                 self.tile.held_start = memo.held_start
@@ -130,16 +132,17 @@ class EncodePass(NetworkPass):
         return out
 
     def downsample(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Level i's downsample: a zero row below and a zero column right of x, a 3x3 stride-2 conv; at a temporal
-        level, then the (3, 1, 1) stride-2 time conv over [the previous pass's last frame, these frames] (the first
-        pass stores its frame and skips it)."""
+        """Level i's downsample: a zero row below and a zero column right of x (in bands, the row below is the next
+        band's first: a halo), a 3x3 stride-2 conv; at a temporal level, then the (3, 1, 1) stride-2 time conv over
+        [the previous pass's last frame, these frames] (the first pass stores its frame and skips it)."""
         name = self.config.downsampler(i)
         _, frames, rows, width, c = x.shape
-        padded = self.state.window("down", frames, rows + 1, width + 1, c)
-        padded[:, :, :rows, :width].copy_(x)
+        haloed = self.state.window("down", frames, rows + 2, width + 1, c)  # row 0: the halo above, unread
+        haloed[:, :, 1:rows + 1, :width].copy_(x)
+        self.rows.exchange_halos(haloed[0])
         out = self._empty(1, frames, rows // 2, width // 2, c)
-        self.ops.conv3d_strided(padded, self.p[f"{name}.resample.1.weight"], self.p[f"{name}.resample.1.bias"], out,
-                                (1, 2, 2))
+        self.ops.conv3d_strided(haloed[:, :, 1:], self.p[f"{name}.resample.1.weight"],
+                                self.p[f"{name}.resample.1.bias"], out, (1, 2, 2))
         if not self.config.temperal_downsample[i]:
             return out
         history = self.state.history(f"{name}.time_conv", (1, 1, rows // 2, width // 2, c))

@@ -178,31 +178,40 @@ class EncodeRunner:
         self.ops, self.weights, self.config, self.device, self.dtype = ops, weights, config, device, dtype
         self.frames_per_pass, self.reuse_steady, self.progress = frames_per_pass, reuse_steady, progress
 
-    def _pass(self, state: DecodeState, first: bool, tile, memos, index: int) -> EncodePass:
-        return EncodePass(self.ops, self.weights, self.config, LocalRows(1), state, first, tile, memos, index)
+    def _pass(self, state: DecodeState, first: bool, tile, memos, index: int, rows: LocalRows) -> EncodePass:
+        return EncodePass(self.ops, self.weights, self.config, rows, state, first, tile, memos, index)
 
-    def encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None) -> tuple[torch.Tensor, dict]:
+    def encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None,
+               rows: LocalRows | None = None) -> tuple[torch.Tensor, dict]:
         """video [1, 3, F, H, W] (F = 4T - 3) -> (moments [1, T, h, w, 2z] in the activations' dtype, the passes each
-        stage reused: stage -> pass indices; tiled, those every tile reused)."""
+        stage reused: stage -> pass indices; tiled, those every tile reused). In bands (`rows`: a `RankRows`), this
+        rank's band of the moments [1, T, stop - start, w, 2z] from its band of the video, rows exchanged as halos
+        (untiled only)."""
         with frame_shape(*latent_shape[-2:]):  # sizes the CPU convs' row blocks (`ops.fp32_call_rows`)
-            return self._encode(video, latent_shape, tile_rows)
+            return self._encode(video, latent_shape, tile_rows, rows or LocalRows(latent_shape[3]))
 
-    def _encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None) -> tuple[torch.Tensor, dict]:
+    def _encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None,
+                rows: LocalRows) -> tuple[torch.Tensor, dict]:
         _, _, t, height, width = latent_shape
         passes = latent_passes(t, self.frames_per_pass)
-        moments = torch.empty((1, t, height, width, 2 * self.config.z_dim), dtype=self.dtype, device=self.device)
         memos = {} if self.reuse_steady else None
         tiles = [] if tile_rows is None or tile_rows >= height else row_tiles(height, tile_rows)
-        progress = _progress(len(passes) * (len(tiles) + 1), self.progress, "VAE encode")
+        progress = _progress(len(passes) * (len(tiles) + 1), self.progress and rows.is_root, "VAE encode")
         if not tiles:
+            start, stop = rows.rows
+            s = self.config.spatial_scale  # the band's pixel rows; the last band's reach the frame's bottom
+            band = video[:, :, :, s * start:s * stop if stop < height else video.shape[3]]
+            moments = torch.empty((1, t, stop - start, width, 2 * self.config.z_dim), dtype=self.dtype,
+                                  device=self.device)
             state = DecodeState(self.device, self.dtype)
             for index, (t0, t1) in enumerate(passes):
                 frames = pass_video_frames(t0, t1)
-                step = self._pass(state, t0 == 0, None, memos, index)
-                moments[:, t0:t1] = step.phase2(step.phase1(video[:, :, frames.start:frames.stop]))
+                step = self._pass(state, t0 == 0, None, memos, index, rows)
+                moments[:, t0:t1] = step.phase2(step.phase1(band[:, :, frames.start:frames.stop]))
                 progress.update(1)
             progress.close()
             return moments, _reused([memos])
+        moments = torch.empty((1, t, height, width, 2 * self.config.z_dim), dtype=self.dtype, device=self.device)
         bottom_width = self.config.dims[-2]
         bottom = torch.empty((1, t, height, width, bottom_width), dtype=self.dtype, device=self.device)
         tile_memos = []
@@ -214,7 +223,7 @@ class EncodeRunner:
                 tile = EncodeTile(start, stop, height, video.shape[3] // self.config.patch_size, self.config)
                 a, b = tile.input_rows()
                 p = self.config.patch_size
-                step = self._pass(state, t0 == 0, tile, tile_memos[-1], index)
+                step = self._pass(state, t0 == 0, tile, tile_memos[-1], index, rows)
                 bottom[:, t0:t1, start:stop] = step.phase1(video[:, :, frames.start:frames.stop, p * a:p * b])
                 progress.update(1)
             for memo in (tile_memos[-1] or {}).values():  # a finished tile's stages are never run again
@@ -222,7 +231,7 @@ class EncodeRunner:
             del state
         state = DecodeState(self.device, self.dtype)  # phase 2 on whole frames
         for index, (t0, t1) in enumerate(passes):
-            moments[:, t0:t1] = self._pass(state, t0 == 0, None, memos, index).phase2(bottom[:, t0:t1])
+            moments[:, t0:t1] = self._pass(state, t0 == 0, None, memos, index, rows).phase2(bottom[:, t0:t1])
             progress.update(1)
         progress.close()
         return moments, {**_reused(tile_memos), **_reused([memos])}
