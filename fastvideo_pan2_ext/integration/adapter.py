@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,6 @@ def fastvideo_version() -> str:
 def _lookup_spelling(module: str, attribute: str, mentions: str) -> Any:
     import importlib.util
     import inspect
-    from pathlib import Path
 
     if not attribute:  # importing it would have effects (the FA4 readers): its spec and source instead
         spec = importlib.util.find_spec(module)
@@ -529,7 +529,7 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
                 saved = await save(image, path)
             except BaseException:
                 for written in glob.glob(glob.escape(path) + "*"):  # what a failed save wrote (it may add a suffix)
-                    _remove(written)
+                    Path(written).unlink(missing_ok=True)
                 raise
             holder = _SAVED_UPLOADS.get()
             if holder is not None:
@@ -607,7 +607,7 @@ class _UploadGuard:
             await self.app(scope, receive, sending)
         except Exception as exc:  # noqa: BLE001 - not an interrupt: this request is refused, the server goes on
             for upload in saved:
-                _remove(upload)
+                Path(upload).unlink(missing_ok=True)
             if statuses:  # the answer had started: nothing more can be said
                 raise
             line = (str(exc).strip().splitlines() or [""])[0]
@@ -618,7 +618,7 @@ class _UploadGuard:
             _SAVED_UPLOADS.reset(token)
         if statuses[:1] != [200]:
             for upload in saved:
-                _remove(upload)
+                Path(upload).unlink(missing_ok=True)
 
 
 def _one_line_400(detail: str):
@@ -642,13 +642,6 @@ def _request_or_400(request_class, /, **fields):
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in exc.errors())
         raise _one_line_400(f"invalid request: {problems}") from None
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _unserved(route) -> bool:

@@ -65,6 +65,11 @@ def vae_device(vae) -> torch.device:
     return _encoder_layer(vae).weight.device
 
 
+def _weights_refused(why) -> tuple[str, str]:
+    """The reason and line for weights the fast encoder cannot take (`why`: what is wrong with them)."""
+    return "weights", f"the fast encoder cannot take this VAE's encoder weights ({why})"
+
+
 def cannot_serve(vae, x) -> tuple[str, str] | None:
     """(kind, why) when the fast encoder cannot serve `vae.encode(x)`, which FastVideo's own encode then runs; None
     when it can. Read at every encode: a VAE's mode, weights and place change between calls."""
@@ -76,7 +81,7 @@ def cannot_serve(vae, x) -> tuple[str, str] | None:
     try:  # the architecture and every tensor's shape; the encoder checks the values as it takes them (`encode`)
         config = weights_mod.architecture(vae, _PART)
     except ValueError as exc:
-        return "weights", f"the fast encoder cannot take this VAE's encoder weights ({exc})"
+        return _weights_refused(exc)
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.encoder.parameters())):
         return "autograd", ("autograd is recording through this encode (grad enabled and the video or the encoder's "
                             "parameters require grad), so gradients flow through FastVideo's; for the fast encoder "
@@ -86,8 +91,7 @@ def cannot_serve(vae, x) -> tuple[str, str] | None:
                            f"{config.in_channels} channels (3 x p x p with p = {config.patch_size})")
     where = vae_device(vae)
     if where.type == "meta":
-        return "weights", ("the fast encoder cannot take this VAE's encoder weights (they are on the meta device: not "
-                           "loaded, e.g. offloaded layer by layer)")
+        return _weights_refused("they are on the meta device: not loaded, e.g. offloaded layer by layer")
     if x.device != where:
         return "device", f"the video is on {x.device} and the VAE's encoder weights on {where}"
     try:
@@ -152,7 +156,7 @@ def encode(vae, x, fastvideo_encode):
         encoder = encoder_for(vae, x.device)
         moments = encoder.encode(x)
     except weights_mod.WeightValuesError as exc:
-        _warn_once(vae, "weights", f"the fast encoder cannot take this VAE's encoder weights ({exc})")
+        _warn_once(vae, *_weights_refused(exc))
         return fastvideo_encode(vae, x)
     plan = encoder.last_plan
     logger.debug("fast VAE encoder: video %s: %d latent frame(s) per pass, %s", list(x.shape), plan.frames_per_pass,
