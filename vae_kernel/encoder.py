@@ -188,7 +188,7 @@ class WanVAEEncoder:
         if fpp == memory.AUTO and repeats and self.options.reuse_steady:
             fpp = 1
         planned = memory.choose_plan(self._planner(video_shape), latent, fpp, self.tile_rows, False,
-                                     self.max_memory, self._ranks)
+                                     self.max_memory, self._ranks, self.ops.row_multiple)
         ceiling = self._ceilings.get(self._ceiling_key(video_shape))
         return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
 
@@ -217,7 +217,9 @@ class WanVAEEncoder:
 
         def request() -> DecodeRequest:
             planned = checked_plan().frames_per_pass
-            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, self.config)
+            # The ranks must also run the same exchanges: the same activations and reuse (ints: hashed alike by all).
+            setup = (self.config, self.dtype.itemsize, self.options.reuse_steady)
+            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, setup)
 
         if self.pg is None:
             plan = checked_plan()
@@ -240,18 +242,20 @@ class WanVAEEncoder:
         one rank raises on every rank."""
         video, plan = self._start(video)
         latent = encoded_shape(self.config, video.shape)
-        rows = LocalRows(latent[3]) if self.pg is None else RankRows(latent[3], self.pg, self.device)
+        rows = LocalRows(latent[3]) if self.pg is None else RankRows(latent[3], self.pg, self.device,
+                                                                     self.ops.row_multiple)
         tried: list[DecodePlan] = []
         while True:  # the attempts, settled by every rank together (as the decoder's: `agreement.settle`)
             self.last_plan = plan
             try:
                 out = self._run(video, latent, plan, rows)
+                buffers = rows.share_buffers(out, 3)
                 finish(rows, OK)
                 settle(rows, OK, None, False, work="encode")
                 break
             except BaseException as exc:  # noqa: BLE001 - the group hears of any failure, an interrupt too
                 error = exc
-            out = None
+            out = buffers = None
             failed = failure(error, rows, False, "encode")
             error = None
             if failed.error is not None:
@@ -260,7 +264,7 @@ class WanVAEEncoder:
                 raise failed.peer_error
             plan = self._retry(video, latent, tried, plan, failed.text)
         self.last_retries = tuple(tried)
-        rows.share(out, 3)
+        rows.share(out, 3, buffers)
         return out
 
     def _retry(self, video, latent, tried: list, failed: DecodePlan, text: str) -> DecodePlan:
@@ -271,7 +275,7 @@ class WanVAEEncoder:
         def proposal() -> DecodePlan | None:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            return self._planner(video.shape).retry_plan(memory.band_shape(latent, self._ranks),
+            return self._planner(video.shape).retry_plan(memory.band_shape(latent, self._ranks, self.ops.row_multiple),
                                                          failed.frames_per_pass, failed.tile_rows, False,
                                                          may_tile=self.pg is None)
 
@@ -293,6 +297,7 @@ class WanVAEEncoder:
         out = torch.empty(latent, dtype=self.vae_dtype, device=self.device)
         tf32 = self.options.precision == "auto" and self.dtype == torch.float32
         start, stop = rows.rows if rows.active else (0, 0)
+        self.last_reuse = {}  # a rank holding no rows runs and reuses nothing
         with own_arithmetic(self.device, tf32_as_caller=tf32):
             for b in range(video.shape[0] if rows.active else 0):
                 moments, reused = runner.encode(video[b:b + 1], (1, *latent[1:]), plan.tile_rows, rows)

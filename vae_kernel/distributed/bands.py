@@ -77,11 +77,19 @@ class LocalRows:
         """Each band's tensor (same shape except dim -2, the rows) on the root, in band order; None elsewhere."""
         return [band]
 
+    def exchange_row_below(self, window: torch.Tensor) -> None:
+        """window [F, rows + 1, W, C]: row -1 receives the next band's first row (zeros below the frame's last)."""
+
     def all_agree(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank holding rows (a step that skips its exchanges must be skipped by all)."""
         return flag
 
-    def share(self, whole: torch.Tensor, dim: int) -> None:
+    def share_buffers(self, whole: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """The buffers `share` sends each band through, allocated inside an attempt (a failed allocation is then
+        heard like any failure of the attempt)."""
+        return []
+
+    def share(self, whole: torch.Tensor, dim: int, buffers: list[torch.Tensor]) -> None:
         """whole: a tensor whose rows (dim `dim`) are the frame's, filled in this rank's band -> filled in every band,
         on every rank of the group, the idle ones too. After the attempt settled: every rank calls it."""
 
@@ -164,10 +172,19 @@ class RankRows(LocalRows):
         self._exchange([(j, torch.tensor([int(flag)], dtype=torch.int32)) for j in others], list(theirs.items()))
         return flag and all(bool(t.item()) for t in theirs.values())
 
-    def share(self, whole: torch.Tensor, dim: int) -> None:
-        for j, (start, stop) in enumerate(self.bands):
+    def exchange_row_below(self, window: torch.Tensor) -> None:
+        i, last = self.index, len(self.bands) - 1
+        self._exchange([(i - 1, window[:, 0])] if i > 0 else [], [(i + 1, window[:, -1])] if i < last else [])
+
+    def share_buffers(self, whole: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return [torch.empty_like(whole.narrow(dim, start, stop - start), device=self.comm_device,
+                                 memory_format=torch.contiguous_format) for start, stop in self.bands]
+
+    def share(self, whole: torch.Tensor, dim: int, buffers: list[torch.Tensor]) -> None:
+        for j, ((start, stop), staged) in enumerate(zip(self.bands, buffers)):
             rows = whole.narrow(dim, start, stop - start)
-            staged = rows.to(self.comm_device).contiguous()
+            if j == self.index:
+                staged.copy_(rows)
             dist.broadcast(staged, self._peer(j), group=self.pg)
             if j != self.index:
                 rows.copy_(staged)

@@ -137,12 +137,12 @@ class EncodePass(NetworkPass):
         [the previous pass's last frame, these frames] (the first pass stores its frame and skips it)."""
         name = self.config.downsampler(i)
         _, frames, rows, width, c = x.shape
-        haloed = self.state.window("down", frames, rows + 2, width + 1, c)  # row 0: the halo above, unread
-        haloed[:, :, 1:rows + 1, :width].copy_(x)
-        self.rows.exchange_halos(haloed[0])
+        padded = self.state.window("down", frames, rows + 1, width + 1, c)
+        padded[:, :, :rows, :width].copy_(x)
+        self.rows.exchange_row_below(padded[0])
         out = self._empty(1, frames, rows // 2, width // 2, c)
-        self.ops.conv3d_strided(haloed[:, :, 1:], self.p[f"{name}.resample.1.weight"],
-                                self.p[f"{name}.resample.1.bias"], out, (1, 2, 2))
+        self.ops.conv3d_strided(padded, self.p[f"{name}.resample.1.weight"], self.p[f"{name}.resample.1.bias"], out,
+                                (1, 2, 2))
         if not self.config.temperal_downsample[i]:
             return out
         history = self.state.history(f"{name}.time_conv", (1, 1, rows // 2, width // 2, c))
