@@ -351,7 +351,7 @@ def test_the_encode_progress_bar_is_the_pipelines_own(capfd):
     ({"precision": "fp64"}, "precision must be one of"),
     ({"reuse_steady": "yes"}, "reuse_steady must be True or False"),
     ({"conv_algorithm": "winograd"}, r"unknown encoder option\(s\) conv_algorithm; the options are frames_per_pass"),
-    ({"pg": None}, r"unknown encoder option\(s\) pg"),
+    ({"pg": "group"}, r"pg was given but torch.distributed is not initialized"),
 ])
 def test_bad_options_are_refused_at_the_call_in_one_line(options, message):
     vae = tiny_vae("wan2.1")
@@ -361,9 +361,10 @@ def test_bad_options_are_refused_at_the_call_in_one_line(options, message):
     assert not is_fast_encode_enabled(vae) and "encode" not in vae.__dict__
 
 
-def test_backend_cuda_is_refused_when_enabled():
-    """The compiled kernels do not serve the encoder yet: refused at the call, GPU or not."""
-    with pytest.raises(ValueError, match=r"^backend='cuda': the compiled CUDA kernels do not serve the encoder yet"):
+def test_backend_cuda_is_refused_when_enabled_without_a_gpu():
+    """backend='cuda' means the compiled kernels or an error: without a GPU, refused at the call, as the decode
+    switch refuses it."""
+    with pytest.raises(ValueError, match=r"^backend='cuda' runs the compiled kernels on a GPU, but torch sees none"):
         enable_fast_encode(tiny_vae("wan2.1"), backend="cuda")
 
 

@@ -22,6 +22,8 @@ from fastvideo_pan2_ext.vae_kernel.encoder import EncodeOutOfMemoryError, WanVAE
 from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes
 from fastvideo_pan2_ext.vae_kernel.portable import encoder_network, passes
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import BY_DESIGN, make_ops
+from tools.emulated_extension import EmulatedExtension
 
 LAYOUTS = {  # (a seeded narrow VAE, a video size it takes: Wan2.1 odd on purpose, Wan2.2 a multiple of 16)
     "wan21": (lambda: make_wan21_vae(seed=3, base_dim=8, z_dim=16), (45, 59)),
@@ -331,7 +333,33 @@ def test_bad_options_are_refused_when_the_encoder_is_made(options, message):
         WanVAEEncoder(vae, **options)
 
 
-def test_the_compiled_backend_is_refused_for_the_encoder_until_it_is_verified():
+def test_the_compiled_backend_needs_a_gpu_one_line_each():
     vae = LAYOUTS["wan21"][0]()
-    with pytest.raises(ValueError, match="do not serve the encoder"):
-        WanVAEEncoder(vae, device="cpu", backend="cuda")
+    for precision in ("auto", "bf16"):
+        with pytest.raises(ValueError, match="^backend='cuda' needs a CUDA device; got device cpu") as caught:
+            WanVAEEncoder(vae, device="cpu", backend="cuda", precision=precision)
+        assert "\n" not in str(caught.value)
+
+
+def test_a_bf16_encode_runs_the_compiled_tables_kernels_exactly_across_plans_and_counts_what_runs_portable(layout):
+    """The compiled table (its CPU stand-in, `tools.emulated_extension`: the binding's functions and rounding points
+    in torch) serves the encoder's stride-1 convs and norms in bf16, within the allowance of diffusers' bf16 encode
+    against its fp32 one; its plans give the same moments bit for bit; what the kernels never take (conv_in's 3 or 12
+    input channels, the stride-2 convs, patchify) runs portable and is counted, and nothing else is."""
+    _, vae, size = layout
+    ext = EmulatedExtension()
+    table = make_ops(ext)
+    video = _video(size)
+    reference, baseline = _diffusers(vae, video), _diffusers(vae, video, torch.bfloat16)
+    vae.to(torch.float32)
+    with torch_threads(1):
+        ours = WanVAEEncoder(vae, precision="bf16", backend=table, frames_per_pass=1).encode(video)
+        for plan in (dict(frames_per_pass=2), dict(frames_per_pass=1, tile_rows=1)):
+            assert torch.equal(WanVAEEncoder(vae, precision="bf16", backend=table, **plan).encode(video), ours), plan
+    for half, a, r, b in zip(("mean", "logvar"), _halves(ours), _halves(reference), _halves(baseline)):
+        report = compare_to_reference(half, a, r, b)
+        assert report.ok, str(report)
+    assert {kind for kind, _ in ext.calls} == {"conv3d", "rms_norm_silu"}
+    channels = 3 * vae.config.patch_size ** 2 if vae.config.patch_size else 3
+    assert set(table.fallbacks) == {f"conv3d: {channels} input channels, {BY_DESIGN}", f"conv3d_strided: {BY_DESIGN}",
+                                    f"patchify_into: {BY_DESIGN}"}  # Wan2.1's patch of 1: a copy into conv_in's window

@@ -307,7 +307,9 @@ def test_a_video_size_the_encoder_does_not_take_is_fastvideos(caplog):
     ("encode_frames_per_pass", 0, r"encode_frames_per_pass must be 'auto' or an int >= 1; got 0$"),
     ("encode_reuse_steady", "yes", r"encode_reuse_steady must be True or False; got 'yes'$"),
     ("encode_max_memory", "lots", r"encode_max_memory must be bytes"),
-], ids=["precision", "frames_per_pass", "reuse_steady", "max_memory"])
+    ("encode_backend", "cuda", r"encode_backend='cuda' runs the compiled bf16 kernels, and this encode computes in "
+                               r"fp32 \(vae_precision 'fp32', encode_precision 'auto'\)"),  # FastVideo's fp32 VAE
+], ids=["precision", "frames_per_pass", "reuse_steady", "max_memory", "compiled in fp32"])
 def test_a_bad_option_is_one_error_when_fastvideos_args_are_made_before_any_model_loads(tiny_ckpt, monkeypatch, field,
                                                                                          value, message):
     from fastvideo import VideoGenerator

@@ -43,10 +43,25 @@ def test_the_self_check_covers_every_op_shape_of_the_real_decoder():
     assert len(signatures) == 25
 
 
+def test_the_self_check_covers_every_op_shape_of_the_real_encoders_but_conv_in():
+    decoders = selfcheck.op_signatures(selfcheck.SUPPORTED_CONFIGS, ())
+    encoders = {str(s) for s in selfcheck.op_signatures((), selfcheck.SUPPORTED_ENCODER_CONFIGS)}
+    assert {str(s) for s in selfcheck.op_signatures()} == {str(s) for s in decoders} | encoders
+    for shape in ("conv3d 160 -> 160 k3x3x3 + residual", "conv3d 320 -> 640 k3x3x3",  # Wan2.2's widths
+                  "conv3d 640 -> 1280 k1x1x1",  # the attention's keys and values
+                  "conv3d 384 -> 32 k3x3x3",  # Wan2.1's conv_out: mean and logvar of 16 channels
+                  "rms_norm_silu 640 -> 640 no silu", "rms_norm_silu 160 -> 160 into a strided window"):
+        assert shape in encoders, sorted(encoders)
+    # conv_in's 12 (Wan2.2) and 3 (Wan2.1) input channels: recorded, and skipped by the self-check (portable)
+    assert {"conv3d 12 -> 160 k3x3x3", "conv3d 3 -> 96 k3x3x3"} <= encoders
+
+
 def test_every_production_case_runs_on_the_kernels_within_the_allowance():
     ext = EmulatedExtension()
     results = selfcheck.self_check(make_ops(ext), CPU, keep_going=True)
-    assert len(results) == 49 and results[-1].report.name.startswith("decode")
+    # every decoder and encoder signature (but the encoder's conv_in, portable by design), a decode, an encode
+    assert len(results) == 76 and results[-2].report.name.startswith("decode")
+    assert results[-1].report.name.startswith("encode")
     assert all(r.ok for r in results), "\n".join(map(str, results))
     assert not any(r.fallbacks for r in results), [r.fallbacks for r in results if r.fallbacks]
     kinds = {kind for kind, _ in ext.calls}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import options as options_mod
+from .backends import select_ops
 from .decoder import _module_device, _resolve_device
 from .definitions.architecture import check_video, encoded_shape
 from .definitions.precision import own_arithmetic
@@ -47,10 +48,19 @@ def _vae_dtype(vae_or_state_dict) -> torch.dtype:
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
 
 
-def _encoder_ops(backend) -> Ops:
-    """The encoder's op table: the portable one, or one given (backend="cuda" is refused by the options' check: the
-    compiled kernels are verified for the decoder's convs only)."""
-    return backend if isinstance(backend, Ops) else TORCH_OPS
+def _encoder_ops(backend, device: torch.device, dtype: torch.dtype) -> Ops:
+    """The encoder's op table for `backend` at activations of `dtype`: a bf16 encode takes the decoder's choice
+    (`backends.select_ops`: the compiled table where it is built and self-checked, its self-check covering the
+    encoder's convs too; direct convs); an fp32 encode runs portable (the kernels are bf16), and `backend="cuda"`
+    then is a ValueError naming the precision. A given `Ops` table runs as given."""
+    if isinstance(backend, Ops):
+        return backend
+    if dtype == torch.bfloat16 or (backend == "cuda" and device.type != "cuda"):
+        return select_ops(backend, device, "direct")
+    if backend == "cuda":
+        raise ValueError("backend='cuda' runs the compiled bf16 kernels, and this encode computes in fp32 (precision "
+                         "'fp32', or 'auto' for a VAE that is not bf16): pass precision='bf16' or backend='auto'")
+    return TORCH_OPS
 
 
 class WanVAEEncoder:
@@ -60,8 +70,9 @@ class WanVAEEncoder:
     FastVideo's) `AutoencoderKLWan` or its state dict; the architecture is read from the weights, and `device`
     defaults to the module's (where its weights are), or "cuda" for a state dict. Made from a module it follows the
     module's weights, as `WanVAEDecoder` does. The options are defined in `options.ENCODE_OPTIONS`:
-    `frames_per_pass`, `tile_rows` / `max_memory` (exact two-phase tiles, one rank), `backend`, `precision`,
-    `reuse_steady`. As the decoder: with a process group of N ranks (`pg`; by default the initialized default group)
+    `frames_per_pass`, `tile_rows` / `max_memory` (exact two-phase tiles, one rank), `backend` (a bf16 encode: as
+    the decoder's, the compiled table where it passes its self-check, which covers the encoders' convs; an fp32
+    encode: portable), `precision`, `reuse_steady`. As the decoder: with a process group of N ranks (`pg`; by default the initialized default group)
     each rank encodes a band of latent rows, halo rows exchanged at every conv and the attention's keys and values
     gathered, and every rank returns the whole moments (the ranks must pass the same video); `local=True` encodes on
     the calling rank alone (ranks that hold different videos).
@@ -85,12 +96,12 @@ class WanVAEEncoder:
             raise ValueError("tile_rows / max_memory tile the encode, which runs on one rank: pass local=True (or no "
                              "process group)")
         self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
-        self.ops = _encoder_ops(opts.backend)
         # The VAE itself is held weakly (a diffusers VAE holds its fast encoder: no reference cycle).
         self._source = weakref.ref(vae_or_state_dict) if isinstance(vae_or_state_dict, torch.nn.Module) else \
             vae_or_state_dict
         self._last_vae_dtype = _vae_dtype(vae_or_state_dict)
         self.dtype = self._activation_dtype()
+        self.ops = _encoder_ops(opts.backend, self.device, self.dtype)
         part = weights_mod.encoder_part(self.dtype)
         self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights_mod.checked(vae_or_state_dict, part),
                                                    self.device, self.ops.cpu_compute_layout, part)
@@ -108,6 +119,10 @@ class WanVAEEncoder:
     @property
     def weights(self) -> dict[str, torch.Tensor]:
         return self._weights.tensors
+
+    @property
+    def backend(self) -> str:
+        return self.ops.name
 
     def _vae(self):
         """The VAE (or state dict) this encoder was made from; None once that module no longer exists (the encoder
@@ -132,6 +147,7 @@ class WanVAEEncoder:
         """Take any change of the VAE's weights; a VAE cast to another dtype changes the "auto" precision too."""
         dtype = self._activation_dtype()
         if dtype != self.dtype and self._vae() is not None:
+            self.ops = _encoder_ops(self.options.backend, self.device, dtype)
             part = weights_mod.encoder_part(dtype)
             self._weights = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part),
                                                        self.device, self.ops.cpu_compute_layout, part)

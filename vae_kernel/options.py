@@ -163,9 +163,6 @@ def check(values: Mapping[str, Any], label: Callable[[str], str] = str, switch: 
     for option in table:
         if option.name in values:
             option.check(label(option.name), values[option.name])
-    if part == "encode" and values.get("backend") == "cuda":
-        raise ValueError(f"{label('backend')}='cuda': the compiled CUDA kernels do not serve the encoder yet (their "
-                         "self-check covers the decoder's convs); use 'auto' or 'torch'")
     options = make(**values)
     if options.tile_rows is not None and options.max_memory is not None:
         raise ValueError(f"set {label('tile_rows')} or {label('max_memory')}, not both: the budget picks the tile")

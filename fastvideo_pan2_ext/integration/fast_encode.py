@@ -45,8 +45,15 @@ def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderO
 
 def check_fastvideo_args(args) -> None:
     """At FastVideoArgs creation, in the process that starts the workers: a bad option is one error before any model
-    loads."""
-    options(getattr(args.pipeline_config, "vae_config", None))
+    loads, and so is `encode_backend="cuda"` (the compiled bf16 kernels) where the encode computes in fp32."""
+    pipeline_config = args.pipeline_config
+    opts = options(getattr(pipeline_config, "vae_config", None))
+    vae_precision = getattr(pipeline_config, "vae_precision", "fp32")
+    fp32 = opts is not None and (opts.precision == "fp32" or opts.precision == "auto" and vae_precision != "bf16")
+    if fp32 and opts.backend == "cuda":
+        raise ValueError(f"vae_config.encode_backend='cuda' runs the compiled bf16 kernels, and this encode computes "
+                         f"in fp32 (vae_precision {vae_precision!r}, encode_precision {opts.precision!r}): set "
+                         "encode_precision='bf16' or encode_backend='auto'")
 
 
 # --------------------------------------------------------------------------------------------------- what it serves

@@ -6,7 +6,9 @@ with its functions (on CPU, the stand-in `tools/emulated_extension.py`). A call 
 layout the TMA alignment rules out) goes to the portable op, so the table is total, and is counted in the table's
 `fallbacks` (op and reason): a fallback is never silent. `make_ops(ext, winograd_convs=True)` runs the (kt, 3, 3)
 convs by the Winograd F(2x2, 3x3) kernels instead (`winograd.WinogradConv3d`'s dispatch and per-layer weight cache;
-fallback: the portable `winograd.conv3d_winograd`, same rounding points).
+fallback: the portable `winograd.conv3d_winograd`, same rounding points). The encoder's ops the kernels do not
+implement (`conv3d_strided`, `patchify_into`) and its conv_in, whose 3 or 12 input channels are not a multiple of 8,
+run portable by design and are counted too (`BY_DESIGN` in the reason).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from ..portable import ops, winograd
+
+
+CHANNEL_MULTIPLE = 8  # the kernels' input channels are a multiple of this (a TMA row of 16 bytes of bf16)
+BY_DESIGN = "portable by design"  # in the reason of a fallback the kernels were never meant to take
 
 
 def winograd_kernel_weights(w: torch.Tensor) -> torch.Tensor:
@@ -65,8 +71,10 @@ class CompiledKernels:
         reason = None
         if w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
             reason = "not bf16"
-        elif not x.is_contiguous() or not _tma_ok(x) or x.shape[-1] % 8:
-            reason = f"x [.., {x.shape[-1]}] not contiguous, aligned, with channels a multiple of 8"
+        elif x.shape[-1] % CHANNEL_MULTIPLE:  # the encoder's conv_in: 3 (Wan2.1) or 12 (Wan2.2) input channels
+            reason = f"{x.shape[-1]} input channels, {BY_DESIGN}"
+        elif not x.is_contiguous() or not _tma_ok(x):
+            reason = f"x [.., {x.shape[-1]}] not contiguous and aligned"
         elif kw % 2 == 0:
             reason = f"even kernel width {kw}"
         elif co % 8 == 0 and not (_tma_ok(out) and _tma_ok(residual)):
@@ -98,8 +106,10 @@ class CompiledKernels:
         reason = None
         if any(t is not None and t.dtype != torch.bfloat16 for t in (x, u, out, residual)):
             reason = "not bf16"
-        elif not x.is_contiguous() or not _tma_ok(x) or ci % 8:
-            reason = f"x [.., {ci}] not contiguous, aligned, with channels a multiple of 8"
+        elif ci % CHANNEL_MULTIPLE:
+            reason = f"{ci} input channels, {BY_DESIGN}"
+        elif not x.is_contiguous() or not _tma_ok(x):
+            reason = f"x [.., {ci}] not contiguous and aligned"
         elif co % 8 == 0 and not (_tma_ok(out) and _tma_ok(residual)):
             reason = "out or residual not 16-byte aligned"
         if reason is not None:
@@ -187,9 +197,20 @@ def make_ops(ext, name: str = "compiled", winograd_convs: bool = False,
     per layer; the table's name gets winograd_ops' suffix."""
     fallbacks: collections.Counter = collections.Counter()
     kernels = CompiledKernels(ext, fallbacks)
+
+    def portable(op: str) -> Callable[..., None]:  # an encoder op no kernel implements: counted, then portable
+        run = getattr(ops.TORCH_OPS, op)
+
+        def counted(*args, **kwargs) -> None:
+            fallbacks[f"{op}: {BY_DESIGN}"] += 1
+            run(*args, **kwargs)
+
+        return counted
+
     table = dataclasses.replace(ops.TORCH_OPS, name=name, conv3d=kernels.conv3d, rms_norm_silu=kernels.rms_norm_silu,
-                                upsample2x_conv3x3=kernels.upsample2x_conv3x3, fallbacks=fallbacks,
-                                cpu_compute_layout=False)  # the kernels take bf16 channels-last weights
+                                upsample2x_conv3x3=kernels.upsample2x_conv3x3,
+                                conv3d_strided=portable("conv3d_strided"), patchify_into=portable("patchify_into"),
+                                fallbacks=fallbacks, cpu_compute_layout=False)  # bf16 channels-last weights
     if winograd_convs:
         table = winograd.winograd_ops(table, 2, keep_direct, conv=kernels.winograd_conv3d,
                                       transform=winograd_kernel_weights)

@@ -1,8 +1,10 @@
-"""The runtime self-check of an op table: every op call the real decoders make, at their real channel counts and a
-small spatial size, then one small whole decode, each judged by the allowance against the fp32 definition.
+"""The runtime self-check of an op table: every op call the real decoders and encoders make, at their real channel
+counts and a small spatial size, then one small whole decode and one small whole bf16 encode, each judged by the
+allowance against the fp32 definition.
 
-The cases are not listed by hand: `op_signatures` runs the decoder of every supported architecture on the meta device
-with a recording op table, so a new layer shape is covered the moment the decoder uses it (conv_in's 48 and 16
+The cases are not listed by hand: `op_signatures` runs the decoder and the encoder of every supported architecture on
+the meta device with a recording op table, so a new layer shape is covered the moment either uses it (the encoder's
+160-, 320- and 640-channel convs, its attention's 1x1 convs, quant_conv...) (conv_in's 48 and 16
 channels, conv_out's 12 and 3 outputs, the 1024-channel convs, the time convs' 2C outputs, the sub-pixel convs,
 Wan2.1's halving ones...). Spatial sizes are chosen so that no GEMM dimension is a multiple of a kernel tile (rows 5,
 width 13: M = 195 per 3 frames), and the decode check crosses pass boundaries (T = 4 at two frames per pass).
@@ -24,20 +26,29 @@ from fastvideo_pan2_ext import reference
 
 from ..portable import weights as weights_mod
 from ..definitions.allowance import AllowanceReport, compare_to_reference
-from ..definitions.architecture import WAN21_CONFIG, WAN22_CONFIG, WanVAEConfig, expected_shapes, video_shape
+from ..definitions.architecture import (WAN21_CONFIG, WAN21_ENCODER_CONFIG, WAN22_CONFIG, WAN22_ENCODER_CONFIG,
+                                        WanVAEConfig, expected_encoder_shapes, expected_shapes, narrow_encoder,
+                                        video_shape)
 from ..distributed.bands import LocalRows
+from ..portable.encoder_network import EncodePass
 from ..portable.network import DecodeState, NetworkPass
 from ..portable.ops import RMS_EPS, TORCH_OPS, Ops
-from ..portable.passes import PassRunner, collect
+from ..portable.passes import EncodeRunner, PassRunner, collect
 from ..definitions.precision import exact_fp32
+from .kernels import BY_DESIGN, CHANNEL_MULTIPLE
 
 SUPPORTED_CONFIGS = (WAN22_CONFIG, WAN21_CONFIG)  # the real decoders whose every op shape the self-check covers
+SUPPORTED_ENCODER_CONFIGS = (WAN22_ENCODER_CONFIG, WAN21_ENCODER_CONFIG)  # and the real encoders
 
 # A narrow Wan2.2-layout decoder with the real latent width (conv_in reads 48 channels) for the whole-decode check.
 DECODE_CHECK_CONFIG = WanVAEConfig(z_dim=48, decoder_base_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=2,
                                    temperal_upsample=(True, True, False), out_channels=12, patch_size=2)
 DECODE_CHECK_LATENTS = (1, 48, 4, 3, 5)  # T = 4 at 2 frames per pass: passes [0,1) [1,3) [3,4)
 CASE_FRAMES, CASE_ROWS, CASE_WIDTH = 3, 5, 13
+# A narrow Wan2.2-layout encoder (patchify: conv_in reads 12 channels; the real 48 latent channels) for the whole
+# encode check: 9 frames at 1 latent frame per pass cross passes and both temporal downsamples.
+ENCODE_CHECK_CONFIG = narrow_encoder(WAN22_ENCODER_CONFIG, base_dim=16)
+ENCODE_CHECK_VIDEO = (1, 3, 9, 32, 48)
 
 
 # --------------------------------------------------------------------------------------------------- definitions
@@ -109,9 +120,10 @@ class Signature:
         return f"{self.op} {self.ci} -> {self.co} {' '.join(extras)}".strip()
 
 
-def op_signatures(configs=None) -> set[Signature]:
-    """Every distinct op call the decoders of `configs` (default: `SUPPORTED_CONFIGS`) make (the first pass and a
-    later one), recorded from a run on the meta device."""
+def op_signatures(configs=None, encoder_configs=None) -> set[Signature]:
+    """Every distinct op call the decoders of `configs` and the bf16 encoders of `encoder_configs` make (the first
+    pass and a later one), recorded from a run on the meta device. Defaults: `SUPPORTED_CONFIGS` and, with them,
+    `SUPPORTED_ENCODER_CONFIGS` (with `configs` given: no encoder unless named)."""
     seen: set[Signature] = set()
 
     def conv3d(x, w, b, out, residual=None):
@@ -127,8 +139,11 @@ def op_signatures(configs=None) -> set[Signature]:
     def ignore(*args, **kwargs):
         pass
 
-    recorder = Ops("recorder", conv3d, rms_norm_silu, upsample2x_conv3x3, ignore, ignore, ignore)
+    recorder = Ops("recorder", conv3d, rms_norm_silu, upsample2x_conv3x3, ignore, ignore, ignore, ignore, ignore,
+                   ignore)
     meta = torch.device("meta")
+    if encoder_configs is None:
+        encoder_configs = SUPPORTED_ENCODER_CONFIGS if configs is None else ()
     for config in configs or SUPPORTED_CONFIGS:
         weights = {name: weights_mod.prepare(name, torch.empty(shape, device=meta))
                    for name, shape in expected_shapes(config).items()}
@@ -136,6 +151,14 @@ def op_signatures(configs=None) -> set[Signature]:
         for first, frames in ((True, 1), (False, 2)):
             z = torch.empty((config.z_dim, frames, 2, 2), device=meta)
             NetworkPass(recorder, weights, config, LocalRows(2), state, first).run(z)
+    for config in encoder_configs:
+        weights = {name: weights_mod.prepare_encoder(name, torch.empty(shape, device=meta), torch.bfloat16)
+                   for name, shape in expected_encoder_shapes(config).items()}
+        state = DecodeState(meta)
+        side = 2 * config.spatial_scale
+        for first, frames in ((True, 1), (False, 4)):
+            step = EncodePass(recorder, weights, config, LocalRows(2), state, first)
+            step.phase2(step.phase1(torch.empty((1, 3, frames, side, side), device=meta)))
     return seen
 
 
@@ -239,17 +262,44 @@ def decode_check(table: Ops, device: torch.device) -> CaseResult:
     return CaseResult(report, fallbacks)
 
 
+def encode_check(table: Ops, device: torch.device) -> CaseResult:
+    """A small whole bf16 encode with `table` through the real encode loop, judged against the fp32 reference encode
+    (baseline: the bf16 reference encode). The calls the kernels were never meant to take (`kernels.BY_DESIGN`:
+    conv_in's 12 channels, the stride-2 convs, patchify) are not failures; any other fallback is."""
+    config = ENCODE_CHECK_CONFIG
+    g = torch.Generator().manual_seed(11)
+    state_dict = {name: seeded_parameter(name, shape, g) for name, shape in expected_encoder_shapes(config).items()}
+    part = weights_mod.encoder_part(torch.bfloat16)
+    prepared = weights_mod.DecoderWeights(state_dict, weights_mod.checked(state_dict, part), device,
+                                          table.cpu_compute_layout, part).tensors
+    video = (torch.rand(ENCODE_CHECK_VIDEO, generator=g) * 2 - 1).to(device)
+    latent = (1, 2 * config.z_dim, 1 + (video.shape[2] - 1) // 4, video.shape[3] // config.spatial_scale,
+              video.shape[4] // config.spatial_scale)
+    runner = EncodeRunner(table, prepared, config, device, torch.bfloat16, 1, reuse_steady=False, progress=False)
+    (moments, _), fallbacks = _counted(table, lambda: runner.encode(video, latent, None))
+    report = compare_to_reference(f"encode {list(ENCODE_CHECK_VIDEO)} in bf16 at 1 latent frame per pass",
+                                  moments.permute(0, 4, 1, 2, 3).float(),
+                                  reference.encode(video, state_dict, torch.float32),
+                                  reference.encode(video, state_dict, torch.bfloat16).float())
+    return CaseResult(report, {k: n for k, n in fallbacks.items() if BY_DESIGN not in k})
+
+
 def self_check(table: Ops, device: torch.device, configs=None, keep_going: bool = False,
-               seed: int = 0) -> list[CaseResult]:
-    """Run every op the table replaces at every signature the decoders of `configs` use, then (if all pass) a small
-    whole decode (`configs` default: `SUPPORTED_CONFIGS`). Returns the results, up to the first failing case (every
-    case with `keep_going`, for a full diagnosis); the caller judges. Works for any op table, on CPU too."""
+               seed: int = 0, encoder_configs=None) -> list[CaseResult]:
+    """Run every op the table replaces at every signature the decoders of `configs` and the encoders of
+    `encoder_configs` use (defaults: `op_signatures`'), then (if all pass) a small whole decode, and a small whole
+    encode where encoders were checked. Returns the results, up to the first failing case (every case with
+    `keep_going`, for a full diagnosis); the caller judges. Works for any op table, on CPU too."""
     g = torch.Generator().manual_seed(seed)
     results = []
+    if encoder_configs is None:
+        encoder_configs = SUPPORTED_ENCODER_CONFIGS if configs is None else ()
     with torch.no_grad(), exact_fp32():
-        for sig in sorted(op_signatures(configs)):
+        for sig in sorted(op_signatures(configs, encoder_configs)):
             if getattr(table, sig.op) is getattr(TORCH_OPS, sig.op):
                 continue  # the portable op itself: nothing compiled to check
+            if sig.op == "conv3d" and sig.ci % CHANNEL_MULTIPLE:
+                continue  # the encoder's conv_in (3 or 12 channels): portable by design, counted at each call
             name, run, ref = _case(sig, device, g)
             candidate, fallbacks = _counted(table, lambda: run(table))
             reference = ref()
@@ -259,4 +309,6 @@ def self_check(table: Ops, device: torch.device, configs=None, keep_going: bool 
                 break
         if all(r.ok for r in results):  # a failed op already decides; the decode would only cost time
             results.append(decode_check(table, device))
+        if encoder_configs and all(r.ok for r in results):
+            results.append(encode_check(table, device))
     return results
