@@ -205,6 +205,7 @@ def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(mac
     _check_coverage(report["coverage"])
     _check_wan21_steps(report)
     _check_encode(report["encode"], sizes["encode"])
+    _check_encode_bands(report["encode_bands"], sizes["encode"])
     _check_pipeline(report["pipeline"], sizes["pipeline"])
     _no_fallbacks_anywhere(report)
     assert report["summary"]["compiled_ok"] is True and report["summary"]["pipeline_ok"] is True
@@ -260,6 +261,18 @@ def _check_encode(result: dict, size: list) -> None:
                                                              "conv3d_strided: portable by design",
                                                              "patchify_into: portable by design"}
     assert result["reuse_bit_identical"] is True and result["ok"] is True
+
+
+def _check_encode_bands(result: dict, size: list) -> None:
+    """Two gloo ranks' bands on the encode step's input: on a CPU at one thread, one rank's moments bit for bit on
+    every rank, with one rank's reuse record, in both precisions."""
+    frames, height, width, _ = size
+    assert result["ranks"] == 2 and result["video"] == [1, 3, frames, height, width]
+    for precision in ("auto", "bf16"):
+        entry = result[precision]
+        assert entry["bit_identical"] and entry["ranks_agree"] and entry["reuse_as_one_rank"], entry
+        assert entry["max_abs_diff"] == 0 and all(s > 0 for s in entry["rank_seconds"]) and entry["ok"]
+    assert result["ok"] is True
 
 
 def _check_pipeline(result: dict, size: list) -> None:

@@ -339,6 +339,89 @@ def memory(ctx: Context, names) -> dict:
     return out
 
 
+def encode_inputs(device: torch.device, size) -> tuple:
+    """The encode steps' seeded diffusers Wan2.1 VAE (encoder base width size[3]) on `device`, and image-to-video's
+    input: an image, then zero frames ([1, 3, size[0], size[1], size[2]]). The same in every process of the run."""
+    from diffusers import AutoencoderKLWan  # noqa: PLC0415 - carried to the GPU machine in the bundle
+
+    frames, height, width, base = size
+    vae = AutoencoderKLWan(**diffusers_encoder_arguments(narrow_encoder(WAN21_ENCODER_CONFIG, base)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            param.copy_(selfcheck.seeded_parameter(name, param.shape, generator))
+    video = torch.zeros((1, 3, frames, height, width), device=device)
+    video[:, :, :1] = torch.rand((1, 3, 1, height, width), generator=generator).to(device) * 2 - 1
+    return vae.to(device).eval(), video
+
+
+BAND_RANKS = 2
+BAND_PRECISIONS = ("auto", "bf16")
+
+
+def _encode_band_rank(rank: int, scratch: str, device: str, size: list) -> None:
+    """One rank of `encode_bands` (spawned): its band of the encode steps' input, saved for the parent."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)  # the ranks share this machine; the parent encodes at one thread too
+    dist.init_process_group("gloo", init_method=f"file://{scratch}/bands-rendezvous", rank=rank,
+                            world_size=BAND_RANKS, timeout=datetime.timedelta(seconds=300))
+    try:
+        vae, video = encode_inputs(torch.device(device), size)
+        saved = {}
+        for precision in BAND_PRECISIONS:
+            encoder = WanVAEEncoder(vae, precision=precision)  # the default group: the two ranks' bands
+            start = time.perf_counter()
+            saved[precision] = encoder.encode(video).cpu()
+            saved[f"{precision}_seconds"] = round(time.perf_counter() - start, 4)
+            saved[f"{precision}_reused"] = {k: list(v) for k, v in encoder.last_reuse.items()}
+        torch.save(saved, f"{scratch}/band{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def encode_bands(ctx: Context) -> dict:
+    """The fast encoder's row bands over two gloo ranks sharing this device (two processes: a check of the bands'
+    result, not of their speed) on the encode step's input, precision "auto" and "bf16", against the same encode on
+    one rank: bit-identical where each conv sums in the same order whatever the rows of its call (the dry run, at one
+    thread); else within the allowance of one rank's exact fp32 encode (baseline: one rank's bf16 encode)."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    scratch = ctx.scratch / "encode_bands"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    size = list(ctx.sizes["encode"])
+    mp.start_processes(_encode_band_rank, args=(str(scratch), str(ctx.device), size), nprocs=BAND_RANKS,
+                       start_method="spawn")
+    bands = [torch.load(scratch / f"band{rank}.pt") for rank in range(BAND_RANKS)]
+    torch.set_num_threads(1)  # as the ranks (this step's own process)
+    vae, video = encode_inputs(ctx.device, size)
+    with exact_fp32():
+        ref32 = WanVAEEncoder(vae, precision="fp32").encode(video).cpu()
+    alone_bf16 = WanVAEEncoder(vae, precision="bf16").encode(video).cpu()
+    out: dict = {"ranks": BAND_RANKS, "video": list(video.shape)}
+    for precision in BAND_PRECISIONS:
+        encoder = WanVAEEncoder(vae, precision=precision)
+        alone = encoder.encode(video).cpu()
+        got = [band[precision] for band in bands]
+        entry = {"bit_identical": all(torch.equal(g, alone) for g in got),
+                 "ranks_agree": all(torch.equal(g, got[0]) for g in got),
+                 "max_abs_diff": max(float((g.float() - alone.float()).abs().max()) for g in got),
+                 "reuse_as_one_rank": all(band[f"{precision}_reused"] == {k: list(v) for k, v in
+                                                                          encoder.last_reuse.items()}
+                                          for band in bands),
+                 "rank_seconds": [band[f"{precision}_seconds"] for band in bands],
+                 "allowance": {half: compare_to_reference(f"bands {precision} {half}", got[0].chunk(2, 1)[i],
+                                                          ref32.chunk(2, 1)[i], alone_bf16.chunk(2, 1)[i]).figures()
+                               for i, half in enumerate(("mean", "logvar"))}}
+        within = all(a["ok"] for a in entry["allowance"].values())
+        entry["ok"] = entry["ranks_agree"] and entry["reuse_as_one_rank"] and (
+            entry["bit_identical"] if ctx.dry_run else entry["bit_identical"] or within)
+        out[precision] = entry
+    out["ok"] = all(out[p]["ok"] for p in BAND_PRECISIONS)
+    return out
+
+
 def encode(ctx: Context) -> dict:
     """The fast encoder (one rank) on image-to-video's input (an image, then zero frames: `sizes["encode"]` frames,
     height, width and the Wan2.1 encoder's base width) against diffusers' own encode of the same weights: diffusers
@@ -347,18 +430,8 @@ def encode(ctx: Context) -> dict:
     portable counted: conv_in, the stride-2 convs and patchify by design). Each timed once after a warm-up; the
     moments judged by the allowance against diffusers' fp32 encode with TF32 off (mean and logvar apart; baselines:
     diffusers' TF32 and bf16 encodes)."""
-    from diffusers import AutoencoderKLWan  # noqa: PLC0415 - carried to the GPU machine in the bundle
-
-    frames, height, width, base = ctx.sizes["encode"]
-    vae = AutoencoderKLWan(**diffusers_encoder_arguments(narrow_encoder(WAN21_ENCODER_CONFIG, base)))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in vae.named_parameters():
-            param.copy_(selfcheck.seeded_parameter(name, param.shape, generator))
-    vae = vae.to(ctx.device).eval()
+    vae, video = encode_inputs(ctx.device, ctx.sizes["encode"])
     vae_bf16 = copy.deepcopy(vae).to(torch.bfloat16)
-    video = torch.zeros((1, 3, frames, height, width), device=ctx.device)
-    video[:, :, :1] = torch.rand((1, 3, 1, height, width), generator=generator).to(ctx.device) * 2 - 1
     warm = video[:, :, :5]
 
     def diffusers_encode(x, dtype=torch.float32):
@@ -367,7 +440,7 @@ def encode(ctx: Context) -> dict:
 
     with exact_fp32():
         ref32 = diffusers_encode(video)
-    out: dict = {"video": list(video.shape), "encoder_base_dim": base}
+    out: dict = {"video": list(video.shape), "encoder_base_dim": ctx.sizes["encode"][3]}
     results = {}
     encoders = [("diffusers_fp32", diffusers_encode),
                 ("diffusers_bf16", lambda x: diffusers_encode(x, torch.bfloat16)),
@@ -739,6 +812,7 @@ CHILD_STEPS = {
     "memory": lambda ctx, a: memory(ctx, a["names"]),
     "profile": lambda ctx, a: profile(ctx, a["names"]),
     "encode": lambda ctx, _: encode(ctx),
+    "encode_bands": lambda ctx, _: encode_bands(ctx),
     "conv_bench": lambda ctx, _: conv_bench(ctx),
     "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
     PIPELINE: lambda ctx, a: pipeline(ctx, a["timeout"]),
@@ -871,7 +945,8 @@ def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
             Step(f"timing:T={big}", "timing", {"t": big, "names": baselines}, (60, 15), 200),
             Step("compiled_memory", "memory", {"names": ["compiled"]}, (20, 10), 120, DIRECT),
             Step("memory", "memory", {"names": ["portable"]}, (20, 10), 120)]
-    out += [Step("encode", "encode", {}, (40, 20), 150)] * with_diffusers
+    out += [Step("encode", "encode", {}, (40, 20), 150), Step("encode_bands", "encode_bands", {}, (40, 30), 150)] * \
+        with_diffusers
     out += [
             Step("compiled_profile", "profile", {"names": ["compiled"]}, (10, 10), 90, DIRECT),
             Step("profile", "profile", {"names": ["portable"]}, (10, 10), 90),
