@@ -21,7 +21,8 @@ Part 2 (`--part 2`): the rest.
   each dominant (kt, 3, 3) layer by the direct and the Winograd kernels (the suggested
   `backends.MEASURED_WINOGRAD_LAYERS` entry);
 - the fast encoder on image-to-video's input (the Wan2.1 VAE, 81 frames at 480x832) against diffusers' fp32 (TF32)
-  and bf16 encodes: time, peak memory, the allowance of mean and logvar, the steady reuse on and off;
+  and bf16 encodes: time, peak memory, the allowance of mean and logvar, the steady reuse on and off, bf16 on the
+  portable and the compiled table; its row bands on two gloo ranks sharing the GPU against one rank;
 - T = 31; the Wan2.1 VAE at 480x832 and 720x1280, 81 frames;
 - last, with its time reserved from the start: the PAN2 pipeline end to end in FastVideo on the tiny checkpoint, the
   fast decoder on, the mp4 streamed while decoding (`python -m fastvideo_pan2_ext.demo`).
@@ -76,7 +77,7 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (  # noqa: E4
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.compiled.kernels import BY_DESIGN, CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
 from tools.bench import conv_layer_inputs, conv_speeds, measure  # noqa: E402
@@ -370,7 +371,9 @@ def _encode_band_rank(rank: int, scratch: str, device: str, size: list) -> None:
         vae, video = encode_inputs(torch.device(device), size)
         saved = {}
         for precision in BAND_PRECISIONS:
-            encoder = WanVAEEncoder(vae, precision=precision)  # the default group: the two ranks' bands
+            # the default group: the two ranks' bands; the portable table in every process, on a GPU as in the dry
+            # run (each process would otherwise self-check the compiled one on its own)
+            encoder = WanVAEEncoder(vae, precision=precision, backend="torch")
             start = time.perf_counter()
             saved[precision] = encoder.encode(video).cpu()
             saved[f"{precision}_seconds"] = round(time.perf_counter() - start, 4)
@@ -382,9 +385,10 @@ def _encode_band_rank(rank: int, scratch: str, device: str, size: list) -> None:
 
 def encode_bands(ctx: Context) -> dict:
     """The fast encoder's row bands over two gloo ranks sharing this device (two processes: a check of the bands'
-    result, not of their speed) on the encode step's input, precision "auto" and "bf16", against the same encode on
-    one rank: bit-identical where each conv sums in the same order whatever the rows of its call (the dry run, at one
-    thread); else within the allowance of one rank's exact fp32 encode (baseline: one rank's bf16 encode)."""
+    result, not of their speed; the portable table) on the encode step's input, precision "auto" and "bf16", against
+    the same encode on one rank: bit-identical where each conv sums in the same order whatever the rows of its call
+    (the dry run, at one thread); else within the allowance of one rank's exact fp32 encode (baseline: one rank's
+    bf16 encode)."""
     import torch.multiprocessing as mp  # noqa: PLC0415
 
     scratch = ctx.scratch / "encode_bands"
@@ -398,10 +402,10 @@ def encode_bands(ctx: Context) -> dict:
     vae, video = encode_inputs(ctx.device, size)
     with exact_fp32():
         ref32 = WanVAEEncoder(vae, precision="fp32").encode(video).cpu()
-    alone_bf16 = WanVAEEncoder(vae, precision="bf16").encode(video).cpu()
-    out: dict = {"ranks": BAND_RANKS, "video": list(video.shape)}
+    alone_bf16 = WanVAEEncoder(vae, precision="bf16", backend="torch").encode(video).cpu()
+    out: dict = {"ranks": BAND_RANKS, "video": list(video.shape), "backend": "torch"}
     for precision in BAND_PRECISIONS:
-        encoder = WanVAEEncoder(vae, precision=precision)
+        encoder = WanVAEEncoder(vae, precision=precision, backend="torch")
         alone = encoder.encode(video).cpu()
         got = [band[precision] for band in bands]
         entry = {"bit_identical": all(torch.equal(g, alone) for g in got),
@@ -474,6 +478,8 @@ def encode(ctx: Context) -> dict:
         out[name]["ok"] = all(a["ok"] or (a["baseline_max_err"] == 0 and a["max_err"] <= rounding)
                               for a in out[name]["allowance"].values())
     out["reuse_bit_identical"] = bool(torch.equal(results["fast_auto"], results["fast_auto_no_reuse"]))
+    if compiled is not None:  # the compiled encode hands the portable ops only what its kernels never take
+        out["fast_bf16_compiled"]["ok"] &= all(BY_DESIGN in k for k in out["fast_bf16_compiled"]["fallbacks"])
     out["ok"] = out["reuse_bit_identical"] and all(out[n]["ok"] for n, _ in judged)
     return out
 

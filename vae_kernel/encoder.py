@@ -72,10 +72,10 @@ class WanVAEEncoder:
     module's weights, as `WanVAEDecoder` does. The options are defined in `options.ENCODE_OPTIONS`:
     `frames_per_pass`, `tile_rows` / `max_memory` (exact two-phase tiles, one rank), `backend` (a bf16 encode: as
     the decoder's, the compiled table where it passes its self-check, which covers the encoders' convs; an fp32
-    encode: portable), `precision`, `reuse_steady`. As the decoder: with a process group of N ranks (`pg`; by default the initialized default group)
-    each rank encodes a band of latent rows, halo rows exchanged at every conv and the attention's keys and values
-    gathered, and every rank returns the whole moments (the ranks must pass the same video); `local=True` encodes on
-    the calling rank alone (ranks that hold different videos).
+    encode: portable), `precision`, `reuse_steady`. As the decoder: with a process group of N ranks (`pg`; by
+    default the initialized default group) each rank encodes a band of latent rows, halo rows exchanged at every
+    conv and the attention's keys and values gathered, and every rank returns the whole moments (the ranks must pass
+    the same video); `local=True` encodes on the calling rank alone (ranks that hold different videos).
 
     `encode(video)` maps a video [B, 3, F, H, W] in [-1, 1] to the moments [B, 2 z_dim, 1 + (F - 1) // 4, H / s,
     W / s] (mean, then logvar before diffusers' clamp), in the VAE's dtype: diffusers'
@@ -110,7 +110,8 @@ class WanVAEEncoder:
         if opts.max_memory is not None:
             self.max_memory = memory.parse_bytes(opts.max_memory)
         self._planners: dict[tuple[int, int], memory.EncoderPlanner] = {}
-        self._ceilings: dict[tuple, DecodePlan] = {}  # a shape -> the plan an out-of-memory retry chose: plans stay below
+        # a shape -> the plan an out-of-memory retry chose: plans stay below it
+        self._ceilings: dict[tuple, DecodePlan] = {}
         self.last_plan: DecodePlan | None = None
         self.last_retries: tuple[DecodePlan, ...] = ()
         # stage ("level0", ..., "head") -> the passes at which the latest encode reused its output (first sample).
@@ -147,11 +148,10 @@ class WanVAEEncoder:
         """Take any change of the VAE's weights; a VAE cast to another dtype changes the "auto" precision too."""
         dtype = self._activation_dtype()
         if dtype != self.dtype and self._vae() is not None:
-            self.ops = _encoder_ops(self.options.backend, self.device, dtype)
-            part = weights_mod.encoder_part(dtype)
-            self._weights = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part),
-                                                       self.device, self.ops.cpu_compute_layout, part)
-            self.dtype = dtype
+            table, part = _encoder_ops(self.options.backend, self.device, dtype), weights_mod.encoder_part(dtype)
+            prepared = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part), self.device,
+                                                  table.cpu_compute_layout, part)
+            self.ops, self._weights, self.dtype = table, prepared, dtype  # all three, or none if preparing failed
         else:
             self._weights.sync()
         if self._weights.config != self.config or any(p.dtype != self.dtype for p in self._planners.values()):

@@ -48,7 +48,7 @@ def check_fastvideo_args(args) -> None:
     loads, and so is `encode_backend="cuda"` (the compiled bf16 kernels) where the encode computes in fp32."""
     pipeline_config = args.pipeline_config
     opts = options(getattr(pipeline_config, "vae_config", None))
-    vae_precision = getattr(pipeline_config, "vae_precision", "fp32")
+    vae_precision = getattr(pipeline_config, "vae_precision", "fp32") or "bf16"  # FastVideo's loader: unset is bf16
     fp32 = opts is not None and (opts.precision == "fp32" or opts.precision == "auto" and vae_precision != "bf16")
     if fp32 and opts.backend == "cuda":
         raise ValueError(f"vae_config.encode_backend='cuda' runs the compiled bf16 kernels, and this encode computes "

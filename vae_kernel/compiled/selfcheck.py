@@ -16,6 +16,7 @@ way for one op (bf16 tensors, fp32 accumulation); for the decode it is the relea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -260,6 +261,14 @@ def decode_check(table: Ops, device: torch.device) -> CaseResult:
                                   reference.decode(z, state_dict, torch.float32),
                                   reference.decode(z, state_dict, torch.bfloat16), unit_range=True)
     return CaseResult(report, fallbacks)
+
+
+@functools.cache
+def coverage() -> str:
+    """What `self_check` checks by default, as text: every signature and the whole decode's and encode's settings (a
+    remembered verdict is keyed by it: `verification.verdict_path`)."""
+    return "; ".join([*sorted(map(str, op_signatures())), f"decode {DECODE_CHECK_CONFIG} {DECODE_CHECK_LATENTS}",
+                      f"encode {ENCODE_CHECK_CONFIG} {ENCODE_CHECK_VIDEO}"])
 
 
 def encode_check(table: Ops, device: torch.device) -> CaseResult:

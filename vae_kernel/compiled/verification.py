@@ -31,7 +31,7 @@ from . import build
 from .extension import CompiledUnavailable, ExtensionSource
 from .kernels import make_ops
 from ..portable.ops import Ops
-from .selfcheck import CaseResult, self_check
+from .selfcheck import CaseResult, coverage, self_check
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +85,15 @@ def verify_ops(table: Ops, device: torch.device) -> None:
 def verdict_path(ext, device: torch.device, winograd: bool = False) -> Path:
     """Where the verdict of `ext`'s self-check on `device` is kept: under the build cache this process uses
     (`build.root_in_use`), keyed by the extension (a built module's file names its build key), the device model, its
-    driver and torch."""
+    driver, torch, and what the self-check covers (`selfcheck.coverage`: a verdict of a check that covered less, e.g.
+    before it covered the encoders, is never taken for this one)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         device_id = [props.name, list(torch.cuda.get_device_capability(device)), driver_version()]
     else:
         device_id = [device.type]
     key = hashlib.sha256(json.dumps([ext.arch(), getattr(ext, "__file__", type(ext).__name__), winograd, *device_id,
-                                     torch.version.cuda, torch.__version__]).encode()).hexdigest()[:16]
+                                     torch.version.cuda, torch.__version__, coverage()]).encode()).hexdigest()[:16]
     return build.root_in_use() / "verdicts" / f"selfcheck-{key}.json"
 
 

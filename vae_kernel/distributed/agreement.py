@@ -132,11 +132,12 @@ def supported_dtype(dtype: torch.dtype) -> bool:
 
 
 def agree(pg, comm_device: torch.device, propose: Callable[[], DecodeRequest], work: str = "decode") -> list[int]:
-    """The agreement before a decode (an encode): every rank's request (`propose()`: this rank's; it checks the input and raises
-    ValueError when it is bad). A rank whose `propose` raised anything raises it, and every other rank a ValueError
-    (bad input) or RuntimeError naming that rank and the error's first line; ranks that disagree raise ValueError on
-    every rank. Returns every rank's planned frames per pass, in group rank order (the group runs the smallest plan:
-    `planning.memory.smallest`). Every rank decides from the same gathered requests, so all decide alike."""
+    """The agreement before a decode (an encode): every rank's request (`propose()`: this rank's; it checks the input
+    and raises ValueError when it is bad). A rank whose `propose` raised anything raises it, and every other rank a
+    ValueError (bad input) or RuntimeError naming that rank and the error's first line; ranks that disagree raise
+    ValueError on every rank. Returns every rank's planned frames per pass, in group rank order (the group runs the
+    smallest plan: `planning.memory.smallest`). Every rank decides from the same gathered requests, so all decide
+    alike."""
     values = joined(pg, comm_device, lambda: propose().values(), DecodeRequest.WIDTH, f"before {work[:-1]}ing",
                     rejects=(ValueError,), work=work)
     requests = [DecodeRequest.from_values(v) for v in values]
