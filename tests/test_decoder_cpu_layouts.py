@@ -124,37 +124,54 @@ def test_tiny_call_rows_pad_a_cpu_bf16_conv_to_the_minimum_pixels(cpu_compute):
     assert rows((1, 1, 3), torch.device("meta")) == 0  # a GPU (or the planner's meta tensors) never pads
 
 
-def test_fp32_call_rows_give_a_block_of_about_512_pixels_never_longer_than_the_frame():
+def test_fp32_call_rows_give_a_block_of_about_512_pixels_splitting_the_frame_evenly():
     assert ops.fp32_call_rows(100) == 6 and ops.fp32_call_rows(600) == 1 and ops.fp32_call_rows(3) == 171
     with ops.frame_shape(4, 50):  # a frame 4 x 50 latents: 8 x 100 pixels at the level 100 pixels wide
-        assert ops.fp32_call_rows(100) == 6 and ops.fp32_call_rows(10) == 1
+        assert ops.fp32_call_rows(100) == 4 and ops.fp32_call_rows(10) == 1  # 8 rows: two blocks of 4, not 6 + 2
         with ops.frame_shape(2, 50):  # 4 x 100 pixels: one block of the frame's 4 rows
             assert ops.fp32_call_rows(100) == 4 and ops.fp32_call_rows(3) == 1
-        assert ops.fp32_call_rows(100) == 6
+        with ops.frame_shape(10, 16):  # 20 x 32 pixels: two blocks of 10 rows, not 16 + 16 (12 of them zeros)
+            assert ops.fp32_call_rows(32) == 10
+        with ops.frame_shape(9, 16):  # 18 x 32 pixels: two blocks of 9 rows, not 16 + 16
+            assert ops.fp32_call_rows(32) == 9
+        assert ops.fp32_call_rows(100) == 4
     assert ops.fp32_call_rows(100) == 6  # the frame's shape holds inside its block only
 
 
-def test_an_fp32_cpu_conv_gives_every_row_the_same_sums_whatever_frames_and_rows_its_call_holds(fp32_cpu):
+@pytest.mark.parametrize("activations", [torch.bfloat16, torch.float32], ids=["bf16 (decoder)", "fp32 (encoder)"])
+def test_an_fp32_cpu_conv_gives_every_row_the_same_sums_whatever_frames_and_rows_its_call_holds(fp32_cpu,
+                                                                                               activations):
     """oneDNN's fp32 conv chooses its blocking from a call's extents: on AMD EPYC a 128-channel 3x3x3 conv over 24 x 16
     pixels summed some rows of a call of one frame of 4 rows, or of 8 frames of 24 rows, in another order than the same
     rows of other calls (before row blocks, three of the calls below gave rows a bf16 step apart). In row blocks of one
-    image each (`ops._conv`) every call of the layer has the same extents."""
+    image each (`ops._conv`) every call of the layer has the same extents. With fp32 activations (the encoder's) oneDNN
+    adds each block straight into the destination, a frame's last, short block through a spare one, with the
+    residual in it: the rows are the same whichever way they came, and the sum is the residual added to the conv."""
     channels, frames, rows, width = 128, 6, 24, 16
-    x = _bf16(1, frames + 2, rows + 2, width, channels, seed=21)
+    x = _bf16(1, frames + 2, rows + 2, width, channels, seed=21).to(activations)
     w = prepare("c.weight", _bf16(channels, channels, 3, 3, 3, seed=22) / (27 * channels) ** 0.5)
     b = torch.randn(channels, generator=torch.Generator().manual_seed(23))
+    residual = _bf16(1, frames, rows, width, channels, seed=24).to(activations)
     differ = {}
-    # One block of 32 rows per call; blocks of 5 and of 1 row, several per call (a frame 5 or 1 rows per 16 columns).
+    # One block of 24 rows per call; blocks of 5 and of 1 row, several per call (a frame 5 or 1 rows per 16 columns).
     for frame in [None, (5, 16), (1, 16)]:
         with torch_threads(), ops.frame_shape(*frame) if frame else contextlib.nullcontext():
-            whole = torch.empty(1, frames, rows, width, channels, dtype=torch.bfloat16)
+            whole = torch.empty(1, frames, rows, width, channels, dtype=activations)
             ops.conv3d(x, to_compute_layout(w), b, whole)
+            summed = torch.empty_like(whole)
+            ops.conv3d(x, to_compute_layout(w), b, summed, residual)
+            assert torch.equal(summed, (whole.float() + residual.float()).to(activations)) or activations != \
+                torch.float32, frame
             for (t0, t1), (r0, r1) in itertools.product([(0, 1), (2, 3), (1, 4), (0, 6), (3, 6)],
                                                         [(0, 1), (5, 6), (0, 4), (3, 11), (8, 24), (17, 24), (0, 24)]):
-                part = torch.empty(1, t1 - t0, r1 - r0, width, channels, dtype=torch.bfloat16)
+                part = torch.empty(1, t1 - t0, r1 - r0, width, channels, dtype=activations)
                 ops.conv3d(x[:, t0:t1 + 2, r0:r1 + 2].contiguous(), to_compute_layout(w), b, part)
                 if not torch.equal(part, whole[:, t0:t1, r0:r1]):
                     differ[(frame, t0, t1, r0, r1)] = int((part != whole[:, t0:t1, r0:r1]).sum())
+                ops.conv3d(x[:, t0:t1 + 2, r0:r1 + 2].contiguous(), to_compute_layout(w), b, part,
+                           residual[:, t0:t1, r0:r1].contiguous())
+                if not torch.equal(part, summed[:, t0:t1, r0:r1]):
+                    differ[(frame, t0, t1, r0, r1, "residual")] = int((part != summed[:, t0:t1, r0:r1]).sum())
     assert not differ
 
 

@@ -47,7 +47,10 @@ def test_peak_estimate_tracks_the_real_decodes_allocations(decoder, tile_rows):
 
 def test_peak_falls_with_the_tile(decoder):
     peaks = [decoder.peak_bytes(SHAPE, tile_rows=n) for n in (1, 2, 4)]
-    assert peaks[0] < peaks[1] < peaks[2] < decoder.peak_bytes(SHAPE)
+    # A tile of 4 of the frame's 7 rows reaches, with its margins, over the whole frame: it holds about what the
+    # untiled decode holds (within 1%), the smaller tiles less.
+    untiled = decoder.peak_bytes(SHAPE)
+    assert peaks[0] < peaks[1] < peaks[2] and peaks[1] < untiled and peaks[2] < 1.01 * untiled
 
 
 def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_state_dict, decoder, plain):

@@ -58,17 +58,26 @@ def _conv_cases():
 @pytest.mark.parametrize("case", _conv_cases(), ids=lambda case: case[0])
 @pytest.mark.parametrize("layout", ["prepared", "compute"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, layout, residual, cpu_compute):
+@pytest.mark.parametrize("rows", [4, 5])
+def test_dry_conv3d_holds_what_the_portable_conv_allocates(case, layout, residual, rows, cpu_compute, monkeypatch):
+    """bf16 activations (the decoder's): the result's blocks (an fp32 CPU's) or the result; fp32 ones (the encoder's
+    fp32 precision, with fp32 weights): on a CPU computing in fp32 oneDNN adds the results into the destination, with
+    a spare block where the frame's rows (5 in a frame of 2 blocks of 4) end in a short block."""
     _, ci, co, (kt, kh, kw), channels_first = case
-    w = prepare("c.weight", _bf16(co, ci, kt, kh, kw, seed=1) / 40)
-    w = to_compute_layout(w) if layout == "compute" else w
-    assert ops.computes_channels_first(w) == (channels_first and layout == "compute" and cpu_compute == torch.float32)
-    x = _bf16(1, kt + 1, kh + 3, 5, ci, seed=2)
-    out_shape = (1, 2, 4, 5, co)
-    out = torch.empty(out_shape, dtype=torch.bfloat16)
-    extra = {"residual": _bf16(*out_shape, seed=3)} if residual else {}
-    real, dry = _real_and_dry("conv3d", x, w, torch.randn(co), out, **extra)
-    assert real > 0 and real <= dry <= 1.02 * real, (real, dry)
+    monkeypatch.setattr(ops, "FP32_CPU_CALL_PIXELS", 20)  # blocks of 4 rows of 5 pixels
+    for activations in (torch.bfloat16, torch.float32):
+        w = prepare("c.weight", _bf16(co, ci, kt, kh, kw, seed=1) / 40)
+        w = to_compute_layout(w) if layout == "compute" else w
+        w = w.float() if activations == torch.float32 and layout == "prepared" else w
+        assert ops.computes_channels_first(w) == (channels_first and layout == "compute" and
+                                                  cpu_compute == torch.float32)
+        x = _bf16(1, kt + 1, kh + rows - 1, 5, ci, seed=2).to(activations)
+        out_shape = (1, 2, rows, 5, co)
+        out = torch.empty(out_shape, dtype=activations)
+        extra = {"residual": _bf16(*out_shape, seed=3).to(activations)} if residual else {}
+        with ops.frame_shape(8, 5):  # two blocks of 4 rows
+            real, dry = _real_and_dry("conv3d", x, w, torch.randn(co), out, **extra)
+        assert real > 0 and real <= dry <= 1.02 * real, (activations, real, dry)
 
 
 @pytest.mark.parametrize("layout", ["prepared", "compute"])

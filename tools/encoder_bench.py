@@ -6,7 +6,8 @@ Three measurements, each on real-width Wan VAEs with seeded random weights (the 
 weights' values do not):
 1. Time: diffusers' `AutoencoderKLWan.encode` in fp32 against `WanVAEEncoder(precision="fp32")` on the same video
    (Wan2.1 and Wan2.2, a short clip), and on image-to-video's input (an image and zero frames) with the steady reuse
-   on and off; medians of `--repeats`, each method's moments compared with diffusers' (max|d|).
+   on and off; each repeat runs the three in turn after a warm-up, and the speedups are medians of the repeats'
+   ratios (the times, medians of `--repeats`); each method's moments compared with diffusers' (max|d|).
 2. FLOPs: every encode counted on the meta device (`torch.utils.flop_counter`; diffusers' modules and the fast
    encoder's network alike), per layout and resolution, and the FLOPs the steady reuse skips on the image-to-video
    input (the stages it reused, from a real run, times their FLOPs per pass).
@@ -69,31 +70,31 @@ def image_to_video(frames: int, height: int, width: int, seed: int = 1) -> torch
     return video
 
 
-def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
-
-
 def time_encodes(layout: str, video: torch.Tensor, repeats: int) -> dict:
+    """diffusers' fp32 encode and the fast encoder's, reuse on and off, in turn in each repeat (the machine's speed
+    drifts: a ratio is taken within a repeat); medians of the times and of the ratios."""
     vae = make_vae(layout)
+    encoders = {"fast_fp32": WanVAEEncoder(vae, precision="fp32", reuse_steady=True),
+                "fast_fp32_no_reuse": WanVAEEncoder(vae, precision="fp32", reuse_steady=False)}
+    runs = {"diffusers_fp32": lambda: vae.encode(video).latent_dist.parameters,
+            **{key: functools.partial(encoder.encode, video) for key, encoder in encoders.items()}}
+    times: dict[str, list[float]] = {key: [] for key in runs}
     with torch.no_grad():
-        diffusers_s, theirs = timed(lambda: vae.encode(video).latent_dist.parameters, repeats)
-    row = {"layout": layout, "video": list(video.shape), "diffusers_fp32_s": diffusers_s}
-    for reuse in (True, False):
-        encoder = WanVAEEncoder(vae, precision="fp32", reuse_steady=reuse)
-        seconds, ours = timed(lambda: encoder.encode(video), repeats)
-        key = "fast_fp32" + ("" if reuse else "_no_reuse")
-        row[key + "_s"] = seconds
-        row[key + "_max_abs_diff"] = float((ours - theirs).abs().max())
+        outs = {key: run() for key, run in runs.items()}  # a warm-up each (fp32 CPU convs block weights at first use)
+        for _ in range(repeats):
+            for key, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[key].append(time.perf_counter() - start)
+    row = {"layout": layout, "video": list(video.shape), "diffusers_fp32_s": statistics.median(times["diffusers_fp32"])}
+    for key, encoder in encoders.items():
+        row[key + "_s"] = statistics.median(times[key])
+        row[key + "_max_abs_diff"] = float((outs[key] - outs["diffusers_fp32"]).abs().max())
         row[key + "_plan"] = str(encoder.last_plan)
-        if reuse:
-            row["reused_passes"] = {stage: list(p) for stage, p in encoder.last_reuse.items()}
-    row["speedup"] = diffusers_s / row["fast_fp32_s"]
-    row["speedup_no_reuse"] = diffusers_s / row["fast_fp32_no_reuse_s"]
+    row["reused_passes"] = {stage: list(p) for stage, p in encoders["fast_fp32"].last_reuse.items()}
+    for key, name in (("fast_fp32", "speedup"), ("fast_fp32_no_reuse", "speedup_no_reuse")):
+        row[name] = statistics.median(d / f for d, f in zip(times["diffusers_fp32"], times[key]))
+    row["times_s"] = times
     return row
 
 

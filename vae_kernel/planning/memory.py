@@ -221,11 +221,11 @@ def _tensors(value):
 def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     """An op table that computes nothing and holds, while each op runs, the temporaries the portable op (`ops.py`)
     materialises on `device`, which computes in `ops.compute_dtype(device)`. The convs and the attention: a copy in
-    the compute dtype of each operand held in another (bf16 weights where the table takes them as prepared; a CPU
-    computing in fp32 copies a conv's input one row block at a time, with the block's output), the input with its
-    zero rows where a bf16 conv is tiny (`ops.tiny_call_rows`), and the result in the compute dtype; views and the
-    destination cost nothing. The norm, the DupUp shortcut and the unpatchify compute the same on every device: the
-    portable ops themselves run (on meta tensors: shapes only)."""
+    the compute dtype of each operand held in another (bf16 weights where the table takes them as prepared), the
+    input with its zero rows where a bf16 conv is tiny (`ops.tiny_call_rows`), and the result in the compute dtype; a
+    CPU computing in fp32 holds one row block's input and output instead of the result (`ops._fp32_row_blocks`);
+    views and the destination cost nothing. The norm, the DupUp shortcut and the unpatchify compute the same on every
+    device: the portable ops themselves run (on meta tensors: shapes only)."""
     compute = compute or ops.compute_dtype(device)
     size = compute.itemsize
 
@@ -241,33 +241,44 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
         scratch = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         del scratch
 
-    def conv_held(x, out_spatial, kernel, stride, co) -> tuple[int, int]:
-        """(what a conv holds besides its weights' casts and its result, its result) (`ops._conv`): on a CPU computing
-        in fp32, one row block's input and output; elsewhere x's cast and the padded copy of a tiny bf16 call, whose
-        result holds the padded rows too."""
-        result = x.shape[0] * math.prod(out_spatial) * co * size
+    def conv_held(x, out_spatial, kernel, stride, co, channels_last: bool, into_fp32: bool) -> tuple[int, int]:
+        """(what a conv holds besides its weights' casts, its destination and its result; its result) (`ops._conv`).
+        On a CPU computing in fp32, one row block's input (channels last: of every frame a 3-D conv reads) and its
+        result block, unless oneDNN adds the results into the fp32 destination (`into_fp32`:
+        `ops.fp32_writes_into_out`; then a spare block where the frame's rows are no whole number of blocks), and no
+        whole result; elsewhere x's cast, the padded copy of a tiny bf16 call, and the result with its padded rows."""
         if compute == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available():
             block = ops.fp32_call_rows(out_spatial[-1])
-            block_in = kernel[0] * ((block - 1) * stride[-2] + kernel[-2]) * x.shape[-2] * x.shape[-1] * size
-            return block_in + block * out_spatial[-1] * co * size, result
+            kt = kernel[0] if len(kernel) == 3 else 1  # a 2-D conv reads one frame
+            frames_in = (out_spatial[0] - 1) * stride[0] + kt if len(kernel) == 3 and channels_last else kt
+            block_in = frames_in * ((block - 1) * stride[-2] + kernel[-2]) * x.shape[-2] * x.shape[-1] * size
+            in_place = channels_last and into_fp32 and out_spatial[-2] % block == 0
+            return block_in + (0 if in_place else block * out_spatial[-1] * co * size), 0
+        result = x.shape[0] * math.prod(out_spatial) * co * size
         rows_in, rows = x.shape[-3], out_spatial[-2]
         extra = ops.tiny_call_rows(out_spatial, device) if compute == torch.bfloat16 else 0
         copy = x.numel() // rows_in * (rows_in + extra * stride[-2]) * x.element_size() if extra else 0
         return copy + casts(x), result * (rows + extra) // rows
 
+    def conv3d_held(x, w, out, stride) -> tuple[int, int]:
+        return conv_held(x, out.shape[1:-1], w.shape[1:-1], stride, out.shape[-1],
+                         not ops.computes_channels_first(w), out.dtype == torch.float32 and ops.fp32_writes_into_out(w))
+
     def conv3d(x, w, b, out, residual=None):
         if computing(x) is not None:
             return computing(x).conv3d(x, w, b, out, residual)
-        held, result = conv_held(x, out.shape[1:-1], w.shape[1:-1], (1, 1, 1), out.shape[-1])
-        added = out.numel() * size if residual is not None and compute != torch.float32 else 0  # fp32: in place
+        held, result = conv3d_held(x, w, out, (1, 1, 1))
         hold(held + casts(w, b) + result)
-        hold(result + added)  # the inputs' copies are gone when the residual is added
+        if residual is not None and compute != torch.float32:  # the inputs' copies are gone when it is added
+            hold(result + out.numel() * size)
 
     def upsample2x_conv3x3(x, w_sub, b, out):
         m, hi, width, _ = x.shape
         phases = 4 * w_sub.shape[2]  # the four phases' outputs over the padded low-resolution grid, and their bias
-        held, result = conv_held(x, (hi - 1, width + 1), (1, 2, 2), (1, 1), phases)
-        hold(held + result + casts(w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0)))
+        grid = m * (hi - 1) * (width + 1) * phases * size  # where the conv writes them (in the compute dtype)
+        held, result = conv_held(x, (hi - 1, width + 1), (2, 2), (1, 1), phases, True,
+                                 ops.fp32_writes_into_out(w_sub))
+        hold(held + result + grid + casts(w_sub) + phases * (b.element_size() + (size if compute != b.dtype else 0)))
 
     def attention(q, kv, out):
         # On a CPU the queries in whole blocks (`ops.attention`: a padded copy, and its result); plus the score matrix
@@ -284,7 +295,7 @@ def dry_ops(device: torch.device, compute: torch.dtype | None = None) -> Ops:
     def conv3d_strided(x, w, b, out, stride):  # what the conv holds is its input's cast and its result
         if computing(x) is not None:
             return computing(x).conv3d_strided(x, w, b, out, stride)
-        hold(sum(conv_held(x, out.shape[1:-1], w.shape[1:-1], stride, out.shape[-1])) + casts(w, b))
+        hold(sum(conv3d_held(x, w, out, stride)) + casts(w, b))
 
     return Ops("dry", conv3d, ops.rms_norm_silu, upsample2x_conv3x3, attention, ops.dup_up_add, ops.unpatchify_clamp,
                conv3d_strided=conv3d_strided)

@@ -143,11 +143,13 @@ def frame_shape(rows: int, cols: int):
 
 def fp32_call_rows(cols: int) -> int:
     """The output rows of each call of an fp32 CPU conv whose output is `cols` pixels wide: enough for
-    FP32_CPU_CALL_PIXELS pixels, at most the frame's rows at this width (inside `frame_shape`), at least 1."""
+    FP32_CPU_CALL_PIXELS pixels, at least 1; inside `frame_shape`, the frame's rows at this width split into that
+    many blocks of equal rows (the last one filled up), so that a frame is not padded to a longer block."""
     rows = -(-FP32_CPU_CALL_PIXELS // cols)
     frame = _FRAME_SHAPE.get()
     if frame is not None:
-        rows = min(rows, -(-frame[0] * cols // frame[1]))
+        frame_rows = -(-frame[0] * cols // frame[1])
+        rows = -(-frame_rows // -(-frame_rows // rows))
     return max(rows, 1)
 
 
@@ -252,28 +254,33 @@ def activation_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return torch.float32 if x.dtype == torch.float32 else compute_dtype(x.device)
 
 
-def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
-          packed: torch.Tensor | None = None, stride: list[int] | None = None) -> torch.Tensor:
-    """A conv (stride 1 unless `stride`; rows valid) of views x [N, C, ...], w [Co, C, ...] (as the ops pass them:
-    channels last), computing in `activation_compute_dtype(x)`. On CPU it computes in the weight's layout: channels
-    first where `weights.to_compute_layout` laid w out so (its strides carry the per-shape choice), else channels
-    last; on a GPU channels last. The result is in that layout.
+def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int], out: torch.Tensor,
+          residual: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+          stride: list[int] | None = None) -> None:
+    """out = conv(x, w) + b (+ residual): a conv (stride 1 unless `stride`; rows valid) of views x [N, C, ...],
+    w [Co, C, ...] (as the ops pass them: channels last) into the view `out` [N, Co, ...] (any layout; `residual` as
+    out), computing in `activation_compute_dtype(x)` and rounding to out's dtype once (a conv computing in bf16 that
+    adds a residual: twice, its result then the sum). On CPU it computes in the weight's layout: channels first where
+    `weights.to_compute_layout` laid w out so (its strides carry the per-shape choice), else channels last; on a GPU
+    channels last.
 
     On CPU this calls oneDNN directly: torch's heuristics send small-batch 3-D convs to its slow im2col path even
     with oneDNN present (measured 2-20x slower here, and it returns channels-first output). There `packed`, w's
     prepacked copy (`prepack`), replaces w (while torch's private oneDNN op serves: `_private_onednn`); a bf16 call
     too small for AMX is padded (`tiny_call_rows`); an fp32 conv runs in calls of one image and a fixed number of
-    rows (`fp32_call_rows`).
+    rows (`fp32_call_rows`), each written into `out` as it is done.
     """
     dtype = activation_compute_dtype(x)
     stride = stride or [1] * len(padding)
     if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
         layout = torch.contiguous_format if _is_channels_first(w) else _CHANNELS_LAST[x.dim()]
-        out_spatial = [(s - k + 2 * p) // st + 1 for s, k, p, st in zip(x.shape[2:], w.shape[2:], padding, stride)]
         if dtype == torch.float32:
-            return _fp32_row_blocks(x, _as(w, dtype, layout), b.to(dtype), padding, stride, layout, out_spatial)
+            _fp32_row_blocks(x, _as(w, dtype, layout), b.to(dtype), padding, stride, layout, out, residual)
+            return
+        out_spatial = out.shape[2:]
         rows = out_spatial[-2]
         extra = tiny_call_rows(out_spatial, x.device) if dtype == torch.bfloat16 else 0
+        padded = None
         if extra:  # a channels-last copy of x with zero rows below, for `extra` more output rows
             added = extra * stride[-2]
             padded = x.new_zeros((x.shape[0], *x.shape[2:-2], x.shape[-2] + added, x.shape[-1], x.shape[1]))
@@ -284,10 +291,14 @@ def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int],
             _private_onednn("_convolution_pointwise", x, packed, b.to(dtype), padding, ones, ones, 1, "none", [], "")
         if y is None:
             y = torch.mkldnn_convolution(x, _as(w, dtype, layout), b.to(dtype), padding, stride, ones, 1)
-        return y[..., :rows, :] if extra else y
-    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
-    conv = F.conv3d if x.dim() == 5 else F.conv2d
-    return conv(x, w, b, padding=padding, stride=stride)
+        y = y[..., :rows, :] if extra else y
+        del x, padded  # the input's copies are gone when the residual is added
+    else:
+        conv = F.conv3d if x.dim() == 5 else F.conv2d
+        y = conv(x.to(dtype), w.to(dtype), b.to(dtype), padding=padding, stride=stride)
+    if residual is not None:
+        y = y.add_(residual) if y.dtype == torch.float32 else y + residual
+    out.copy_(y)
 
 
 # A prepared fp32 CPU conv weight -> (its version, {the calls' shapes: oneDNN's copy of it blocked for such a call}):
@@ -317,37 +328,99 @@ def _fp32_packed(w: torch.Tensor, input_size: list[int], padding: list[int],
     return copies[key]
 
 
+def _strides(sizes: list[int], layout: torch.memory_format) -> list[int]:
+    """The strides of a tensor of `sizes` [N, C, ...] in `layout` (contiguous, or channels last)."""
+    order = list(range(len(sizes)))[::-1] if layout == torch.contiguous_format else \
+        [1, *range(len(sizes) - 1, 1, -1), 0]  # the innermost dim first
+    strides, step = [0] * len(sizes), 1
+    for dim in order:
+        strides[dim], step = step, step * sizes[dim]
+    return strides
+
+
+def fp32_writes_into_out(w: torch.Tensor) -> bool:
+    """Whether an fp32 CPU conv with the prepared weight w has oneDNN add its results into an fp32 channels-last
+    destination (`_fp32_row_blocks`): while torch's private oneDNN ops serve, for a weight made outside inference
+    mode (`_fp32_packed`)."""
+    base = w if w._base is None else w._base
+    return _private_onednn_usable and not base.is_inference()
+
+
 def _fp32_row_blocks(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, padding: list[int], stride: list[int],
-                     layout: torch.memory_format, out_spatial: list[int]) -> torch.Tensor:
-    """`_conv` on a CPU computing in fp32: one oneDNN call per image and block of `fp32_call_rows` output rows, each
-    from a copy of its input rows in fp32 (zero rows past the input's last), into the result [N, Co, *out_spatial]
-    (in `layout`)."""
+                     layout: torch.memory_format, out: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """`_conv` on a CPU computing in fp32: one oneDNN call per image and block of `fp32_call_rows` output rows, from
+    a copy of its input rows in fp32 (zero rows past the input's last), each block's result (+ residual) written into
+    out [N, Co, *out_spatial] as it is done. Channels last, one copy of a block's input rows serves every frame (a
+    3-D conv's call reads kt consecutive frames of it, a contiguous view), and an fp32 out takes each result where it
+    belongs: oneDNN adds it to the block of out, which holds zeros or the residual (`_fp32_block_into`); channels
+    first, each call copies its own input and result."""
     assert padding[-2] == 0 and (x.dim() == 4 or padding[0] == 0), "row blocks take valid rows and frames"
+    out_spatial = list(out.shape[2:])
     rows, block = out_spatial[-2], fp32_call_rows(out_spatial[-1])
     kt, st = (w.shape[2], stride[0]) if x.dim() == 5 else (1, 1)
     frames = out_spatial[0] if x.dim() == 5 else 1
-    y = torch.empty((x.shape[0], w.shape[0], *out_spatial), dtype=torch.float32, device=x.device,
-                    memory_format=layout)
     held = (block - 1) * stride[-2] + w.shape[-2]  # the input rows of one block
-    part = torch.empty((1, x.shape[1], *([kt] if x.dim() == 5 else []), held, x.shape[-1]), dtype=torch.float32,
-                       device=x.device, memory_format=layout)
-    ones = [1] * len(padding)
-    packed = _fp32_packed(w, list(part.shape), padding, stride)
+    call = [1, x.shape[1], *([kt] if x.dim() == 5 else []), held, x.shape[-1]]  # every call's input
+    channels_last = layout == _CHANNELS_LAST[x.dim()]
+    shared = x.dim() == 5 and channels_last
+    # Channels last, a block's input rows of every frame the convs read; else one call's.
+    span = (frames - 1) * st + kt if shared else kt
+    part = torch.empty(call[:2] + ([span] if x.dim() == 5 else []) + call[-2:], dtype=torch.float32, device=x.device,
+                       memory_format=layout)
+    call_stride = _strides(call, layout)
+    packed = _fp32_packed(w, call, padding, stride)
+    # Where oneDNN writes each block's result: out itself (fp32, channels last), a spare block where out's block is
+    # short (the frame's last rows); None: a new tensor, copied into out.
+    into_out = packed is not None and channels_last and out.dtype == torch.float32  # fp32_writes_into_out
+    spare = torch.empty([1, w.shape[0], *([1] if x.dim() == 5 else []), block, out.shape[-1]], dtype=torch.float32,
+                        device=x.device, memory_format=layout) if into_out and rows % block else None
     for n in range(x.shape[0]):
-        for t in range(frames):
-            image = x[n:n + 1, :, t * st:t * st + kt] if x.dim() == 5 else x[n:n + 1]
-            dest = y[n:n + 1, :, t:t + 1] if x.dim() == 5 else y[n:n + 1]
-            for r in range(0, rows, block):
-                given = image[..., r * stride[-2]:r * stride[-2] + held, :]
-                part[..., :given.shape[-2], :].copy_(given)
-                part[..., given.shape[-2]:, :].zero_()
-                result = None if packed is None else _private_onednn(
-                    "_convolution_pointwise", part, packed, b, padding, stride, ones, 1, "none", [], "")
-                if result is None:
-                    result = torch.mkldnn_convolution(part, w, b, padding, stride, ones, 1)
-                dest[..., r:r + block, :].copy_(result[..., :min(block, rows - r), :])
-                del result
-    return y
+        for r in range(0, rows, block):
+            done = min(block, rows - r)
+            for t in range(frames):
+                if t == 0 or not shared:
+                    first = 0 if shared else t * st
+                    image = x[n:n + 1, :, first:first + span] if x.dim() == 5 else x[n:n + 1]
+                    given = image[..., r * stride[-2]:r * stride[-2] + held, :]
+                    part[..., :given.shape[-2], :].copy_(given)
+                    part[..., given.shape[-2]:, :].zero_()
+                source = part[:, :, t * st:t * st + kt] if shared else part
+                # Every call's input has one memory descriptor, whatever the frames around it (a size-1 batch's
+                # stride is free).
+                source = source.as_strided(call, call_stride, source.storage_offset())
+                index = (slice(n, n + 1), slice(None), *([slice(t, t + 1)] if x.dim() == 5 else []),
+                         slice(r, r + done))
+                _fp32_block_into(out[index], None if residual is None else residual[index], source, w, packed, b,
+                                 padding, stride, spare if into_out and done < block else None, into_out)
+
+
+def _fp32_block_into(dest: torch.Tensor, residual: torch.Tensor | None, source: torch.Tensor, w: torch.Tensor,
+                     packed: torch.Tensor | None, b: torch.Tensor, padding: list[int], stride: list[int],
+                     spare: torch.Tensor | None, into_out: bool) -> None:
+    """dest = the conv of one call's input `source` (+ residual), its rows the first of the call's output rows.
+    `into_out`: oneDNN adds the result to its target (dest, or `spare` where dest holds fewer rows than the call),
+    which holds the residual or zeros: (result + bias) + residual, as added otherwise."""
+    ones = [1] * len(padding)
+    if into_out:
+        target = dest if spare is None else spare
+        rows = dest.shape[-2]
+        if residual is None:
+            target.zero_()
+        else:
+            target[..., :rows, :].copy_(residual)  # (a spare block's other rows are dropped)
+        if _private_onednn("_convolution_pointwise_", target, source, packed, b, padding, stride, ones, 1, "add",
+                           None, None, [], None) is not None:
+            if spare is not None:
+                dest.copy_(spare[..., :rows, :])
+            return
+    result = None if packed is None else _private_onednn(
+        "_convolution_pointwise", source, packed, b, padding, stride, ones, 1, "none", [], "")
+    if result is None:
+        result = torch.mkldnn_convolution(source, w, b, padding, stride, ones, 1)
+    result = result[..., :dest.shape[-2], :]
+    if residual is not None:
+        result = result.add_(residual)
+    dest.copy_(result)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -364,24 +437,29 @@ def conv3d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     Valid in time and rows, zero 'same' padding (kw // 2 each side) in width, stride 1. Covers the causal 3x3x3 convs,
     the (3,1,1) time conv of the temporal upsampler and the 1x1x1 convs (shortcuts, attention projections).
     """
-    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, _padding(w), _packed(w))
-    y = y.permute(0, 2, 3, 4, 1)
-    if residual is not None:
-        y = y.add_(residual) if y.dtype == torch.float32 else y + residual
-    out.copy_(y)
+    channels_second = (0, 4, 1, 2, 3)
+    _conv(x.permute(channels_second), _conv3d_weight(w), b, _padding(w), out.permute(channels_second),
+          None if residual is None else residual.permute(channels_second), _packed(w))
 
 
 def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
     """out = silu(x / max(||x||_2 over C, 1e-12) * gamma), statistics in fp32, one rounding to bf16.
 
-    x, out [..., C] bf16 of one shape (out may be a strided view, see the module rules); gamma [C] fp32, already
-    scaled by sqrt(C). silu=False gives the plain RMS norm (the mid-block attention's).
+    x, out [..., C] bf16 of one shape (out may be a strided view, see the module rules), or both fp32 (the encoder's
+    fp32 precision: computed in out, no rounding); gamma [C] fp32, already scaled by sqrt(C). silu=False gives the
+    plain RMS norm (the mid-block attention's).
     """
+    if x.dtype == out.dtype == torch.float32:  # the encoder's fp32: computed in out, no temporary
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(RMS_EPS)
+        torch.div(x, norm, out=out).mul_(gamma)
+        if silu:
+            F.silu(out, inplace=True)
+        return
     if x.numel() > _NORM_CHUNK and x.dim() > 2 and x.shape[1] > 1:  # bound the fp32 temporaries (frame by frame)
         for x_part, out_part in zip(x.split(1, dim=1), out.split(1, dim=1)):
             rms_norm_silu(x_part, gamma, out_part, silu)
         return
-    xf = x.to(torch.float32, copy=True)  # a copy for fp32 x too (the encoder's fp32): it is scaled in place
+    xf = x.to(torch.float32, copy=True)  # scaled in place
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).clamp_min_(RMS_EPS)
     y = xf.div_(norm).mul_(gamma)
     out.copy_(F.silu(y, inplace=True) if silu else y)
@@ -401,8 +479,10 @@ def upsample2x_conv3x3(x: torch.Tensor, w_sub: torch.Tensor, b: torch.Tensor, ou
     rows = hi - 2
     # One 2x2 conv with 4*Co outputs (one group per phase) over x padded by one column each side; phase (a, c) of
     # output pixel (i, j) is that conv's output at position (i + a, j + c).
-    y = _conv(x.permute(0, 3, 1, 2), _subpixel_weight(w_sub), b.repeat(4), _padding(w_sub), _packed(w_sub))
-    y = y.permute(0, 2, 3, 1).view(m, rows + 1, width + 1, 2, 2, co)
+    y = torch.empty((m, rows + 1, width + 1, 4 * co), dtype=activation_compute_dtype(x), device=x.device)
+    _conv(x.permute(0, 3, 1, 2), _subpixel_weight(w_sub), b.repeat(4), _padding(w_sub), y.permute(0, 3, 1, 2),
+          packed=_packed(w_sub))
+    y = y.view(m, rows + 1, width + 1, 2, 2, co)
     for a in range(2):
         for c in range(2):
             out[:, a::2, c::2, :].copy_(y[:, a:a + rows, c:c + width, a, c])
@@ -481,8 +561,9 @@ def conv3d_strided(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch
     x [N, Ti, Hi, Wi, Ci] (contiguous); w [Co, kt, kh, kw, Ci] (prepared); b [Co] fp32; out [N, To, Ho, Wo, Co] with
     To = (Ti - kt) // st + 1 and so on.
     """
-    y = _conv(x.permute(0, 4, 1, 2, 3), _conv3d_weight(w), b, [0, 0, 0], None, list(stride))
-    out.copy_(y.permute(0, 2, 3, 4, 1))
+    channels_second = (0, 4, 1, 2, 3)
+    _conv(x.permute(channels_second), _conv3d_weight(w), b, [0, 0, 0], out.permute(channels_second),
+          stride=list(stride))
 
 
 def avg_down_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, factor_s: int) -> None:
