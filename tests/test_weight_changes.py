@@ -18,6 +18,7 @@ from fastvideo_pan2_ext import enable_fast_decode
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32
+from fastvideo_pan2_ext.vae_kernel.portable import weights
 
 Z = (1, 8, 1, 2, 3)  # one latent frame: one pass
 
@@ -200,3 +201,41 @@ def test_a_vae_with_unmerged_lora_still_moves(z):
         video = vae.decode(z).sample
     with torch.no_grad():
         assert torch.equal(video, type(vae).decode(vae, z).sample)
+
+
+PARTS = {"decoder": weights.DECODER, "encoder fp32": weights.encoder_part(torch.float32),
+         "encoder bf16": weights.encoder_part(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("vae_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_first_min", [1, weights.CPU_CHANNELS_FIRST_MIN])  # 1: every 3x3 conv channels first
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_a_sync_sees_a_one_element_edit_of_any_weight_in_either_layout(part, channels_first_min, vae_dtype,
+                                                                       cpu_compute, monkeypatch):
+    """`sync` tells an unchanged conv weight without preparing it again where that is a re-layout (`_prepares_to`):
+    every weight, edited through `.data` in its last element and put back, is seen both times and held as
+    preparing it gives; and a sync of unchanged weights prepares only what is no re-layout (the gammas, biases,
+    sub-pixel kernels and casts)."""
+    monkeypatch.setattr(weights, "CPU_CHANNELS_FIRST_MIN", channels_first_min)
+    vae = make_wan22_vae(seed=0).to(vae_dtype)
+    cpu = torch.device("cpu")
+    held = weights.DecoderWeights(vae, weights.checked(vae, PARTS[part]), cpu, True, PARTS[part])
+    prepared = []
+    real_prepared_on = weights._prepared_on
+    monkeypatch.setattr(weights, "_prepared_on", lambda name, *args: prepared.append(name) or
+                        real_prepared_on(name, *args))
+    assert held.sync() is False
+    relaid = {name for name, t in held.tensors.items()
+              if PARTS[part].conv_dtype(name) == vae_dtype and t.dtype == vae_dtype}
+    assert set(prepared) == set(held.tensors) - relaid
+    if part == "encoder fp32" and vae_dtype == torch.float32:
+        assert relaid == {name for name in held.tensors if not name.endswith((".gamma", ".bias"))}  # every conv
+    for name in held.tensors:
+        parameter = vae.get_parameter(name).data.view(-1)
+        kept = parameter[-1].item()
+        for value in (kept + 1, kept):
+            parameter[-1] = value
+            assert held.sync() is True, name
+            fresh = real_prepared_on(name, vae.get_parameter(name), cpu, True, PARTS[part])
+            assert torch.equal(held.tensors[name], fresh) and held.tensors[name].stride() == fresh.stride(), name
+    assert held.sync() is False

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -123,18 +124,27 @@ MIN_BF16_CPU_PIXELS = 64
 # CPU computing in fp32 runs every conv as calls of one image (one frame of one sample) and exactly `fp32_call_rows`
 # output rows, the last block of a band filled up with zero rows: every output row of a layer comes from a call of the
 # same extents whatever the band, tile or pass (its place in the call does not change its sums: measured). About this
-# many output pixels per call (fewer, bigger calls run faster; a block is never longer than the frame):
+# many output pixels per call (fewer, bigger calls run faster; a block is never longer than the frame). The decoder's:
+# on a narrow frame a bigger block spans the frame, and its tiles would no longer lower its peak
+# (tests/test_decoder_memory.py).
 FP32_CPU_CALL_PIXELS = 512
-# The frame's (rows, cols) at the latent scale, set around a pass by whoever runs it (`frame_shape`): a layer's row
-# block is at most the frame's rows at that layer, so that a short frame is not padded to a long block.
-_FRAME_SHAPE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("pan2_frame_shape", default=None)
+# The encoder's (`passes.EncodeRunner`): its fp32 convs are most of a CPU encode, and the bigger calls copy fewer halo
+# rows and run about 6% faster than the decoder's (bench/results/encoder-cpu-*.json); its peak is held by the wide
+# first levels, where a block is a few rows whatever this size.
+FP32_CPU_ENCODE_CALL_PIXELS = 2048
+# Set around a pass by whoever runs it (`frame_shape`): the frame's (rows, cols) at the latent scale (a layer's row
+# block is at most the frame's rows at that layer, so that a short frame is not padded to a long block) and the output
+# pixels per call.
+_FRAME_SHAPE: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.ContextVar("pan2_frame_shape",
+                                                                                           default=None)
 
 
 @contextlib.contextmanager
-def frame_shape(rows: int, cols: int):
+def frame_shape(rows: int, cols: int, call_pixels: int | None = None):
     """Inside: the convs run over a frame of this shape (`rows` x `cols` at some scale: only the ratio counts), which
-    sizes their fp32 CPU row blocks (`fp32_call_rows`). Every pass of one decode or encode must say the same."""
-    token = _FRAME_SHAPE.set((rows, cols))
+    sizes their fp32 CPU row blocks (`fp32_call_rows`), for about `call_pixels` output pixels per call (default
+    FP32_CPU_CALL_PIXELS). Every pass of one decode or encode must say the same."""
+    token = _FRAME_SHAPE.set((rows, cols, call_pixels or FP32_CPU_CALL_PIXELS))
     try:
         yield
     finally:
@@ -142,11 +152,12 @@ def frame_shape(rows: int, cols: int):
 
 
 def fp32_call_rows(cols: int) -> int:
-    """The output rows of each call of an fp32 CPU conv whose output is `cols` pixels wide: enough for
-    FP32_CPU_CALL_PIXELS pixels, at least 1; inside `frame_shape`, the frame's rows at this width split into that
-    many blocks of equal rows (the last one filled up), so that a frame is not padded to a longer block."""
-    rows = -(-FP32_CPU_CALL_PIXELS // cols)
+    """The output rows of each call of an fp32 CPU conv whose output is `cols` pixels wide: enough for the call's
+    pixels (`frame_shape`'s, else FP32_CPU_CALL_PIXELS), at least 1; inside `frame_shape`, the frame's rows at this
+    width split into that many blocks of equal rows (the last one filled up), so that a frame is not padded to a
+    longer block."""
     frame = _FRAME_SHAPE.get()
+    rows = -(-(FP32_CPU_CALL_PIXELS if frame is None else frame[2]) // cols)
     if frame is not None:
         frame_rows = -(-frame[0] * cols // frame[1])
         rows = -(-frame_rows // -(-frame_rows // rows))
@@ -581,8 +592,22 @@ def avg_down_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, factor_s: in
     if pad:
         x = torch.cat([x.new_zeros((n, pad, h, width, ci)), x], dim=1)
     t_out, h_out, w_out = (t + pad) // factor_t, h // factor_s, width // factor_s
-    folded = x.view(n, t_out, factor_t, h_out, factor_s, w_out, factor_s, ci).permute(0, 1, 3, 5, 7, 2, 4, 6)
-    out.add_(folded.reshape(n, t_out, h_out, w_out, co, -1).float().mean(dim=-1))
+    # A group is the last dims of (m whole input channels, a, dy, dx) (m > 1 only where Co < Ci * factor / 8): its
+    # members are strided views of x, summed in fp32 in one order whatever the extents (no copy of x refolded).
+    sizes = (1, factor_t, factor_s, factor_s)
+    group = ci * math.prod(sizes) // co
+    sizes = (max(1, group // math.prod(sizes)), *sizes[1:])
+    kept = len(sizes)
+    while math.prod(sizes[kept:]) < group:
+        kept -= 1
+    assert math.prod(sizes[kept:]) == group, "a group of the AvgDown3D shortcut spans whole folded dims"
+    folded = x.view(n, t_out, factor_t, h_out, factor_s, w_out, factor_s, ci // sizes[0], sizes[0]).permute(
+        0, 1, 3, 5, 7, 8, 2, 4, 6)  # [n, t, h, w, c, m, a, dy, dx]
+    total = None
+    for member in itertools.product(*(range(size) for size in sizes[kept:])):
+        view = folded[(..., *member)]
+        total = view.to(torch.float32, copy=True) if total is None else total.add_(view)
+    out.view(n, t_out, h_out, w_out, ci // sizes[0], *sizes[:kept]).add_(total.div_(group))
 
 
 def patchify_into(video: torch.Tensor, dest: torch.Tensor, patch_size: int) -> None:

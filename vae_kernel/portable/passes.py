@@ -22,7 +22,7 @@ from ..definitions.architecture import WanVAEConfig, video_frames
 from ..distributed.bands import LocalRows
 from .encoder_network import EncodePass, EncodeTile
 from .network import DecodeState, NetworkPass, Tile
-from .ops import Ops, frame_shape
+from .ops import FP32_CPU_ENCODE_CALL_PIXELS, Ops, frame_shape
 from ..definitions.precision import own_arithmetic
 
 # The decoder's own bar follows tqdm's conventions: after a few seconds, only where its stream is a terminal
@@ -187,7 +187,8 @@ class EncodeRunner:
         stage reused: stage -> pass indices; tiled, those every tile reused). In bands (`rows`: a `RankRows`), this
         rank's band of the moments [1, T, stop - start, w, 2z] from its band of the video, rows exchanged as halos
         (untiled only)."""
-        with frame_shape(*latent_shape[-2:]):  # sizes the CPU convs' row blocks (`ops.fp32_call_rows`)
+        # sizes the CPU convs' row blocks (`ops.fp32_call_rows`)
+        with frame_shape(*latent_shape[-2:], FP32_CPU_ENCODE_CALL_PIXELS):
             return self._encode(video, latent_shape, tile_rows, rows or LocalRows(latent_shape[3]))
 
     def _encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None,

@@ -54,6 +54,25 @@ def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
     return sub.permute(0, 1, 2, 4, 5, 3).contiguous().to(torch.bfloat16)
 
 
+def conv_weight_5d(tensor: torch.Tensor) -> torch.Tensor:
+    """A conv weight as [Co, Ci, kt, kh, kw] (a view): a 2-D conv's [Co, Ci, kh, kw], a 1x1's [Co, Ci(, 1, 1)] with
+    kt = 1."""
+    return tensor if tensor.dim() == 5 else tensor.reshape(*tensor.shape[:2], 1, *(tensor.shape[2:] or (1, 1)))
+
+
+def _channels_last(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A conv weight as a new [Co, kt, kh, kw, Ci] tensor in `dtype` (the layout the ops take)."""
+    return conv_weight_5d(tensor).permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def decoder_conv_dtype(name: str) -> torch.dtype | None:
+    """The dtype `prepare` gives the decoder's tensor `name` by laying its conv weight out channels last
+    (`_channels_last`); None for a tensor it transforms otherwise."""
+    if name.endswith((".gamma", ".bias", ".resample.1.weight")):
+        return None
+    return torch.float32 if name == "post_quant_conv.weight" else torch.bfloat16
+
+
 def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """One state-dict tensor in the layout the ops take (see the module table): always a new tensor, never `tensor`
     or a view of it (a weight the VAE's owner edits later must not change under the decoder: `DecoderWeights`)."""
@@ -63,19 +82,21 @@ def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if name.endswith(".resample.1.weight"):  # an upsampler's 3x3 conv (Wan2.2 `upsampler.`, Wan2.1 `upsamplers.0.`)
         return subpixel_weights(tensor)
-    w = tensor if tensor.dim() == 5 else tensor.reshape(*tensor.shape[:2], 1, 1, 1)
-    dtype = torch.float32 if name == "post_quant_conv.weight" else torch.bfloat16
-    return w.permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return _channels_last(tensor, decoder_conv_dtype(name))
+
+
+def encoder_conv_dtype(name: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype `prepare_encoder` gives the encoder's tensor `name` by laying its conv weight out channels last:
+    `dtype`, the activations' (None for the gammas and biases)."""
+    return None if name.endswith((".gamma", ".bias")) else dtype
 
 
 def prepare_encoder(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One encoder tensor in the layout the ops take: gammas and biases as `prepare` makes them; every conv weight
     (3-D, the downsamples' 2-D 3x3 and the attention's 1x1) as [Co, kt, kh, kw, Ci] in `dtype`, the activations'
     (fp32 for the encoder's fp32 precision, bf16 for its bf16 one). Always a new tensor."""
-    if name.endswith((".gamma", ".bias")):
-        return prepare(name, tensor)
-    w = tensor if tensor.dim() == 5 else tensor.unsqueeze(2)
-    return w.permute(0, 2, 3, 4, 1).to(dtype, memory_format=torch.contiguous_format, copy=True)
+    conv_dtype = encoder_conv_dtype(name, dtype)
+    return prepare(name, tensor) if conv_dtype is None else _channels_last(tensor, conv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +109,19 @@ class WeightPart:
     infer: Callable[[dict], object]  # state dict -> architecture (ValueError naming a bad tensor)
     names: Callable[[object], list[str]]  # architecture -> every tensor it reads, in execution order
     prepare: Callable[[str, torch.Tensor], torch.Tensor]
+    # name -> the dtype `prepare` casts that conv weight to, laying it out channels last; None: another transform
+    conv_dtype: Callable[[str], torch.dtype | None]
 
 
 DECODER = WeightPart("decoder", ("decoder.", "post_quant_conv"), "post_quant_conv", infer_config,
-                     lambda c: weight_names(c), prepare)
+                     lambda c: weight_names(c), prepare, decoder_conv_dtype)
 
 
 def encoder_part(dtype: torch.dtype) -> WeightPart:
     """The encoder's weights, prepared in `dtype` (`prepare_encoder`)."""
     return WeightPart("encoder", ("encoder.", "quant_conv"), "quant_conv", infer_encoder_config,
-                      lambda c: list(expected_encoder_shapes(c)), functools.partial(prepare_encoder, dtype=dtype))
+                      lambda c: list(expected_encoder_shapes(c)), functools.partial(prepare_encoder, dtype=dtype),
+                      functools.partial(encoder_conv_dtype, dtype=dtype))
 
 
 CPU_CHANNELS_FIRST_MIN = 512
@@ -218,6 +242,17 @@ def load(vae_or_state_dict, device: torch.device, cpu_compute_layout: bool = Tru
         return config, prepared
 
 
+def _prepares_to(part: WeightPart, name: str, source: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether preparing `source` gives `held`, told without preparing it where that is a pure re-layout: a conv
+    weight the part lays out channels last without changing its dtype, held on its device in that dtype (the compute
+    layout changes no value then: `to_compute_layout`), is compared with `held` seen in the source's order. Preparing
+    the weights again cost most of a sync (and a wide encoder's syncs about 5% of its CPU encode); False where this
+    cannot tell (the caller prepares and compares)."""
+    if part.conv_dtype(name) != source.dtype or held.dtype != source.dtype or held.device != source.device:
+        return False
+    return torch.equal(conv_weight_5d(source), held.permute(0, 4, 1, 2, 3))
+
+
 class DecoderWeights:
     """The decoder's prepared weights (`tensors`: name -> prepared tensor, in execution order) and where they come
     from (docs/design.md, "What a weight change costs").
@@ -278,8 +313,10 @@ class DecoderWeights:
             for name, source in sources.items():
                 if source.device.type == "meta":
                     _check_values(name, source)  # raises: nothing to prepare from
-                fresh = _prepared_on(name, source, self.device, self._cpu_compute_layout, self.part)
                 held = self.tensors.get(name)
+                if held is not None and _prepares_to(self.part, name, source, held):
+                    continue
+                fresh = _prepared_on(name, source, self.device, self._cpu_compute_layout, self.part)
                 if held is not None and torch.equal(fresh, held):
                     continue
                 _check_values(name, source)
