@@ -283,6 +283,31 @@ def test_the_encoder_follows_the_vaes_weights(layout):
             vae.encoder.conv_in.weight.copy_(saved)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_fp32_encodes_first_pass_runs_each_causal_conv_with_its_last_tap_alone(layout, precision):
+    """The first frame meets the causal zeros through every tap of a causal conv but the last: an fp32 encode's first
+    pass runs each causal 3x3 conv on that frame with the last tap alone (a third of the work), the later passes and
+    a bf16 encode (the compiled tables' kernels) with whole kernels; the moments are diffusers' to rounding (above)."""
+    _, vae, size = layout
+    calls = []  # (input frames, taps) of each causal 3x3 conv, weights [Co, kt, kh, kw, Ci]
+
+    def conv3d(x, w, b, out, residual=None):
+        if tuple(w.shape[2:4]) == (3, 3):
+            calls.append((x.shape[1], w.shape[1]))
+        TORCH_OPS.conv3d(x, w, b, out, residual)
+
+    encoder = WanVAEEncoder(vae, precision=precision, frames_per_pass=1, reuse_steady=False,
+                            backend=dataclasses.replace(TORCH_OPS, conv3d=conv3d))
+    encoder.encode(_video(size, frames=5))  # two passes: the first frame, then 4 frames
+    whole = [call for call in calls if call[1] == 3]
+    last_tap = [call for call in calls if call[1] == 1]
+    assert whole and len(whole) + len(last_tap) == len(calls)
+    if precision == "fp32":
+        assert last_tap == [(1, 1)] * len(whole) and calls[:len(whole)] == last_tap
+    else:
+        assert not last_tap
+
+
 @pytest.mark.parametrize("video, message", [
     ("not a tensor", "must be a torch.Tensor"),
     (torch.zeros(1, 3, 5, 64), "[B, 3, F, H, W]"),
