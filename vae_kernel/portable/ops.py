@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
 _NORM_CHUNK = 1 << 25  # elements per fp32 temporary of the portable RMS norm (128 MiB)
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+_CHANNELS_SECOND = (0, 4, 1, 2, 3)  # [N, T, H, W, C] (the ops' activations) -> the conv's [N, C, T, H, W] view
 
 
 # ONEDNN_MAX_CPU_ISA values that cap oneDNN below its AMX kernels, in lower case, aliases included (oneDNN's dispatcher
@@ -448,9 +449,8 @@ def conv3d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     Valid in time and rows, zero 'same' padding (kw // 2 each side) in width, stride 1. Covers the causal 3x3x3 convs,
     the (3,1,1) time conv of the temporal upsampler and the 1x1x1 convs (shortcuts, attention projections).
     """
-    channels_second = (0, 4, 1, 2, 3)
-    _conv(x.permute(channels_second), _conv3d_weight(w), b, _padding(w), out.permute(channels_second),
-          None if residual is None else residual.permute(channels_second), _packed(w))
+    _conv(x.permute(_CHANNELS_SECOND), _conv3d_weight(w), b, _padding(w), out.permute(_CHANNELS_SECOND),
+          None if residual is None else residual.permute(_CHANNELS_SECOND), _packed(w))
 
 
 def rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, out: torch.Tensor, silu: bool = True) -> None:
@@ -572,8 +572,7 @@ def conv3d_strided(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch
     x [N, Ti, Hi, Wi, Ci] (contiguous); w [Co, kt, kh, kw, Ci] (prepared); b [Co] fp32; out [N, To, Ho, Wo, Co] with
     To = (Ti - kt) // st + 1 and so on.
     """
-    channels_second = (0, 4, 1, 2, 3)
-    _conv(x.permute(channels_second), _conv3d_weight(w), b, [0, 0, 0], out.permute(channels_second),
+    _conv(x.permute(_CHANNELS_SECOND), _conv3d_weight(w), b, [0, 0, 0], out.permute(_CHANNELS_SECOND),
           stride=list(stride))
 
 
