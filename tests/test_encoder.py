@@ -283,11 +283,32 @@ def test_the_encoder_follows_the_vaes_weights(layout):
             vae.encoder.conv_in.weight.copy_(saved)
 
 
+@pytest.mark.parametrize("ci, co, factor_t, factor_s, frames", [
+    (8, 16, 1, 2, 2),  # Wan2.2's level 0: groups of 2 folded channels (the columns of a pair)
+    (8, 16, 2, 2, 4),  # its level 1: groups of 4 (rows and columns)
+    (16, 16, 2, 2, 1),  # its level 2 on a 1-frame pass (a zero frame in front): groups of 8
+    (16, 16, 1, 1, 3),  # its last level: the block's input itself
+    (16, 8, 2, 2, 2),  # a narrowing shortcut: 2 whole input channels per group
+    (12, 8, 2, 2, 2),  # groups of 12 folded channels, no whole dims: the refolded copy
+])
+def test_avg_down_add_adds_diffusers_avgdown3d(ci, co, factor_t, factor_s, frames):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AvgDown3D
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, frames, 4, 6, ci, generator=g)  # [N, T, H, W, C], as the ops take activations
+    base = torch.randn(1, -(-frames // factor_t), 4 // factor_s, 6 // factor_s, co, generator=g)
+    out = base.clone()
+    TORCH_OPS.avg_down_add(x, out, factor_t, factor_s)
+    theirs = AvgDown3D(ci, co, factor_t, factor_s)(x.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
+    torch.testing.assert_close(out, base + theirs, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_an_fp32_encodes_first_pass_runs_each_causal_conv_with_its_last_tap_alone(layout, precision):
     """The first frame meets the causal zeros through every tap of a causal conv but the last: an fp32 encode's first
     pass runs each causal 3x3 conv on that frame with the last tap alone (a third of the work), the later passes and
-    a bf16 encode (the compiled tables' kernels) with whole kernels; the moments are diffusers' to rounding (above)."""
+    a bf16 encode (the compiled tables' kernels) with whole kernels; an image's moments are diffusers' to rounding,
+    the same in inference mode."""
     _, vae, size = layout
     calls = []  # (input frames, taps) of each causal 3x3 conv, weights [Co, kt, kh, kw, Ci]
 
@@ -304,6 +325,13 @@ def test_an_fp32_encodes_first_pass_runs_each_causal_conv_with_its_last_tap_alon
     assert whole and len(whole) + len(last_tap) == len(calls)
     if precision == "fp32":
         assert last_tap == [(1, 1)] * len(whole) and calls[:len(whole)] == last_tap
+        image = _video(size, frames=1)  # an image's encode: that first pass alone
+        with torch.no_grad():
+            plain = encoder.encode(image)
+        with torch.inference_mode():  # as FastVideo's stages call it: the same convs, the same moments
+            assert torch.equal(encoder.encode(image), plain)
+        theirs = _diffusers(vae, image)
+        assert (plain - theirs).abs().max().item() <= 2e-5 * max(theirs.abs().max().item(), 1.0)
     else:
         assert not last_tap
 

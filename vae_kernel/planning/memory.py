@@ -482,6 +482,9 @@ class EncoderPlanner(MemoryPlanner):
     def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype,
                  remainder: tuple[int, int] = (0, 0), reuse_steady: bool = False) -> None:
         super().__init__(weights, config, device)
+        if dtype == torch.float32:  # the first pass's causal convs hold their last tap blocked too (`causal_conv`)
+            self.weight_bytes += sum(w.numel() // w.shape[1] * w.element_size() for w in weights.values()
+                                     if w.dim() == 5 and w.shape[1] > 1 and w.shape[2] == 3 and ops.held_twice(w))
         self.dtype, self.reuse_steady = dtype, reuse_steady
         self.remainder = remainder  # the video's rows and columns past whole latent pixels (Wan2.1: H = 8h + r)
 

@@ -99,8 +99,10 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def _is_channels_first(w: torch.Tensor) -> bool:
-    """w [Co, Ci, k...] laid out channels first only (a 1x1 kernel's weight is both layouts at once: channels last)."""
-    return w.is_contiguous() and not w.is_contiguous(memory_format=_CHANNELS_LAST[w.dim()])
+    """w [Co, Ci, k...] laid out channels first: its input channels outside its kernel's columns (a 1x1 kernel's
+    weight is both layouts at once: channels last). Told by strides, not density, so that a view of one tap of a
+    prepared weight (`NetworkPass.causal_conv`) keeps its weight's layout."""
+    return w.stride(1) > w.stride(-1)
 
 
 def computes_channels_first(w: torch.Tensor) -> bool:
@@ -129,9 +131,8 @@ MIN_BF16_CPU_PIXELS = 64
 # on a narrow frame a bigger block spans the frame, and its tiles would no longer lower its peak
 # (tests/test_decoder_memory.py).
 FP32_CPU_CALL_PIXELS = 512
-# The encoder's (`passes.EncodeRunner`): its fp32 convs are most of a CPU encode, and the bigger calls copy fewer halo
-# rows and run about 6% faster than the decoder's (bench/results/encoder-cpu-*.json); its peak is held by the wide
-# first levels, where a block is a few rows whatever this size.
+# The encoder's (`passes.EncodeRunner`): its fp32 convs are most of a CPU encode, and bigger calls copy fewer halo
+# rows and run faster; its peak is held by the wide first levels, where a block is a few rows whatever this size.
 FP32_CPU_ENCODE_CALL_PIXELS = 2048
 # Set around a pass by whoever runs it (`frame_shape`): the frame's (rows, cols) at the latent scale (a layer's row
 # block is at most the frame's rows at that layer, so that a short frame is not padded to a long block) and the output
@@ -591,15 +592,19 @@ def avg_down_add(x: torch.Tensor, out: torch.Tensor, factor_t: int, factor_s: in
     if pad:
         x = torch.cat([x.new_zeros((n, pad, h, width, ci)), x], dim=1)
     t_out, h_out, w_out = (t + pad) // factor_t, h // factor_s, width // factor_s
-    # A group is the last dims of (m whole input channels, a, dy, dx) (m > 1 only where Co < Ci * factor / 8): its
-    # members are strided views of x, summed in fp32 in one order whatever the extents (no copy of x refolded).
+    # Where a group is the last dims of (m whole input channels, a, dy, dx) (m > 1 where Co < Ci: every Wan2.2 level
+    # has m = 1), its members are strided views of x, summed in fp32 in one order whatever the extents; else (a
+    # width ratio diffusers allows but no Wan VAE has) one refolded copy of x and its mean.
     sizes = (1, factor_t, factor_s, factor_s)
     group = ci * math.prod(sizes) // co
     sizes = (max(1, group // math.prod(sizes)), *sizes[1:])
     kept = len(sizes)
-    while math.prod(sizes[kept:]) < group:
+    while kept > 0 and math.prod(sizes[kept:]) < group:
         kept -= 1
-    assert math.prod(sizes[kept:]) == group, "a group of the AvgDown3D shortcut spans whole folded dims"
+    if math.prod(sizes[kept:]) != group:
+        folded = x.view(n, t_out, factor_t, h_out, factor_s, w_out, factor_s, ci).permute(0, 1, 3, 5, 7, 2, 4, 6)
+        out.add_(folded.reshape(n, t_out, h_out, w_out, co, group).float().mean(dim=-1))
+        return
     folded = x.view(n, t_out, factor_t, h_out, factor_s, w_out, factor_s, ci // sizes[0], sizes[0]).permute(
         0, 1, 3, 5, 7, 8, 2, 4, 6)  # [n, t, h, w, c, m, a, dy, dx]
     total = None

@@ -245,9 +245,8 @@ def load(vae_or_state_dict, device: torch.device, cpu_compute_layout: bool = Tru
 def _prepares_to(part: WeightPart, name: str, source: torch.Tensor, held: torch.Tensor) -> bool:
     """Whether preparing `source` gives `held`, told without preparing it where that is a pure re-layout: a conv
     weight the part lays out channels last without changing its dtype, held on its device in that dtype (the compute
-    layout changes no value then: `to_compute_layout`), is compared with `held` seen in the source's order. Preparing
-    the weights again cost most of a sync (and a wide encoder's syncs about 5% of its CPU encode); False where this
-    cannot tell (the caller prepares and compares)."""
+    layout changes no value then: `to_compute_layout`), is compared with `held` seen in the source's order (preparing
+    it again would cost a copy of it); False where this cannot tell (the caller prepares and compares)."""
     if part.conv_dtype(name) != source.dtype or held.dtype != source.dtype or held.device != source.device:
         return False
     return torch.equal(conv_weight_5d(source), held.permute(0, 4, 1, 2, 3))
@@ -258,11 +257,12 @@ class DecoderWeights:
     from (docs/design.md, "What a weight change costs").
 
     Made from a module (diffusers' or FastVideo's `AutoencoderKLWan`, held by a weak reference), they follow it:
-    `sync` prepares each of the module's current weights again and compares it with the one held, so every change
-    is seen, whatever made it: `load_state_dict`, `.to()`, a swapped submodule, an in-place op, a write through
-    `.data` (which no version counter records), PEFT's merge and unmerge of LoRA adapters, a new architecture. Its
-    cost is preparing the weights once more per check. `release` drops them from the device (the module left it);
-    the next `sync` prepares them again. Made from a state dict, they are its values as given: later edits of the
+    `sync` prepares each of the module's current weights again (or, where that is a re-layout, reads it in place:
+    `_prepares_to`) and compares it with the one held, so every change is seen, whatever made it: `load_state_dict`,
+    `.to()`, a swapped submodule, an in-place op, a write through `.data` (which no version counter records), PEFT's
+    merge and unmerge of LoRA adapters, a new architecture. Its cost is preparing the weights once more per check,
+    less what it compares in place. `release` drops them from the device (the module left it); the next `sync`
+    prepares them again. Made from a state dict, they are its values as given: later edits of the
     dict's tensors are not seen (the prepared tensors are copies, never views of them).
 
     A prepared tensor is never written after it is made: a changed weight gets a new tensor, so what is derived
