@@ -1,8 +1,10 @@
 """PAN2's FastVideo configuration: the pipeline config, its sampling defaults and the ``pan2`` preset.
 
-PAN2 is a Wan2.2-TI2V-5B-class image-to-video model, so its config is FastVideo's `Wan2_2_TI2V_5B_Config` with
-PAN2's own switches; the sampling defaults (704x1248, 24 fps, 121 frames) live where FastVideo keeps sampling
-defaults: a `SamplingParam` subclass and an `InferencePreset`.
+`PAN2PipelineConfig` is a FastVideo `PipelineConfig` for IFM/PAN2's components (its DiT `model.dit_config`, the Wan2.2
+VAE, Qwen3.5 `model.text_encoder`) with PAN2's decoder and encoder switches; the sampling defaults are IFM's
+reference sampler's (704x1248, 241 frames, 24 fps, 50 steps, guidance 2.5, seed 123; the flow shift is the
+scheduler config's, 9 in IFM's checkpoint) and live where FastVideo keeps sampling defaults: a `SamplingParam`
+subclass and an `InferencePreset`.
 """
 
 from __future__ import annotations
@@ -10,26 +12,30 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastvideo_pan2_ext.integration import adapter, fast_decode, fast_encode
+from fastvideo_pan2_ext.model.dit_config import PAN2DiTConfig
+from fastvideo_pan2_ext.model.text_encoder import PAN2TextEncoderConfig
 from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames
 
 
 DEFAULT_HEIGHT = 704
 DEFAULT_WIDTH = 1248
-DEFAULT_NUM_FRAMES = 121
+DEFAULT_NUM_FRAMES = 241  # IFM's sampler (10 s at 24 fps); vLLM-Omni's default is 313
 DEFAULT_FPS = 24
-DEFAULT_GUIDANCE_SCALE = 5.0
+DEFAULT_GUIDANCE_SCALE = 2.5  # IFM's sampler; vLLM-Omni's and diffusers' modular pipeline's default is 3.0
 DEFAULT_NUM_INFERENCE_STEPS = 50
+DEFAULT_SEED = 123
+DEFAULT_NEGATIVE_PROMPT = ""  # encoded as " ", as in training; IFM's released negative prompt is not public
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
-    """Wan2.2-TI2V-5B's config plus PAN2's decoder and encoder switches, each a view of its Wan VAE config
+class PAN2PipelineConfig(adapter.symbol("PipelineConfig")):
+    """IFM/PAN2's components in FastVideo, and PAN2's decoder and encoder switches, each a view of its Wan VAE config
     (`PAN2_SWITCHES`):
 
     vae_decode_kernel (`vae_config.decode_kernel`): decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this
@@ -46,6 +52,11 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
         vae_encode_frames_per_pass, vae_encode_tile_rows, vae_encode_max_memory, vae_encode_backend,
         vae_encode_precision ("auto": fp32 for PAN2's fp32 VAE, as FastVideo encodes), vae_encode_reuse_steady.
 
+    Precision: `dit_precision` (bf16; "fp32" runs the DiT and its inputs in fp32), `text_encoder_precisions`
+    (("bf16",)), `vae_precision` (fp32: the first frame's encode), `vae_decode_precision` (bf16, FastVideo's Wan
+    default). The latents stay fp32 through the sampler whatever these say. `flow_shift` None takes the scheduler
+    config's shift.
+
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
     (measured; `tests/test_pipeline_decode_routes.py`):
     - `vae_tiling` (default False) and `vae_sp` (default False): the decode stage calls the VAE's `enable_tiling()`,
@@ -56,12 +67,22 @@ class PAN2PipelineConfig(adapter.symbol("Wan2_2_TI2V_5B_Config")):
       encoder): refused with a ValueError.
     - The first-frame encode is FastVideo's feature-cache encode of one frame, untiled, in `vae_precision` (fp32),
       unless vae_encode_kernel is on.
-    - There is no slicing switch: FastVideo's denoising stage takes one video per request, and WanVAEDecoder decodes
-      batch elements one after another anyway (what diffusers' `enable_slicing()` does).
     """
 
+    dit_config: adapter.symbol("DiTConfig") = field(default_factory=PAN2DiTConfig)
+    dit_precision: str = "bf16"
+    vae_config: adapter.symbol("VAEConfig") = field(default_factory=adapter.symbol("WanVAEConfig"))
+    vae_precision: str = "fp32"
+    vae_decode_precision: str = "bf16"
+    vae_tiling: bool = False
+    vae_sp: bool = False
+    text_encoder_configs: tuple = field(default_factory=lambda: (PAN2TextEncoderConfig(), ))
+    text_encoder_precisions: tuple[str, ...] = field(default_factory=lambda: ("bf16", ))
+    flow_shift: float | None = None
+
     def __post_init__(self) -> None:
-        super().__post_init__()
+        self.vae_config.load_encoder = True  # the first frame of image-to-video
+        self.vae_config.load_decoder = True
         for name, value in self.__dict__.pop("_switches_at_init", {}).items():
             setattr(self, name, value)  # the views: into vae_config
         self.check_vae_options()
@@ -152,14 +173,15 @@ class PAN2SamplingParam(adapter.symbol("SamplingParam")):
     fps: int = DEFAULT_FPS
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     num_inference_steps: int = DEFAULT_NUM_INFERENCE_STEPS
+    seed: int = DEFAULT_SEED
+    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
 
 
 PAN2_PRESET = adapter.symbol("InferencePreset")(
     name=PRESET_NAME,
     version=1,
     model_family=MODEL_FAMILY,
-    description="PAN2 image-to-video (Wan2.2-TI2V-5B class), 704x1248 @ 24 fps, 121 frames",
-    workload_type="i2v",
+    description="PAN2 text- and image-to-video (IFM/PAN2), 704x1248 @ 24 fps, 241 frames",
     stage_schemas=(adapter.symbol("PresetStageSpec")(name="denoise", kind="denoising", description="PAN2 denoising",
                                    allowed_overrides=frozenset({"num_inference_steps", "guidance_scale"})), ),
     defaults={
@@ -169,5 +191,7 @@ PAN2_PRESET = adapter.symbol("InferencePreset")(
         "fps": DEFAULT_FPS,
         "guidance_scale": DEFAULT_GUIDANCE_SCALE,
         "num_inference_steps": DEFAULT_NUM_INFERENCE_STEPS,
+        "seed": DEFAULT_SEED,
+        "negative_prompt": DEFAULT_NEGATIVE_PROMPT,
     },
 )

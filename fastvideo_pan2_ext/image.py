@@ -1,7 +1,7 @@
-"""Reading PAN2's first frame: the stored pixels (no EXIF transpose), Wan2.2's resize-and-crop rule.
+"""Reading PAN2's first frame: the stored pixels (no EXIF transpose), resized to cover the canvas, centre-cropped.
 
-`load_first_frame` computes the frame with the reference's own function (`fastvideo_pan2_ext.reference`, its
-definition) and adds the input checks a public entry point needs. Bad input raises `ImageInputError` (a
+`load_first_frame` computes the frame as its definition does (`fastvideo_pan2_ext.reference.pan2_first_frame`, checked
+against it by the tests) and adds the input checks a public entry point needs. Bad input raises `ImageInputError` (a
 ValueError) with one line that names the file and the problem.
 """
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from fastvideo_pan2_ext import reference
-from fastvideo_pan2_ext.reference import best_output_size
 
 # Pillow's own decompression-bomb threshold (~89.5 MP); larger images are refused before their pixels are decoded.
 MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
@@ -70,23 +69,30 @@ def check_size(height, width) -> None:
             raise ImageInputError(f"{name} must be a positive multiple of {SIZE_MULTIPLE}; got {value!r}")
 
 
-def first_frame_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
-    """(out_width, out_height) of the first frame: Wan2.2's rule, area = the requested height x width."""
-    try:
-        ow, oh = best_output_size(image_width, image_height, SIZE_MULTIPLE, SIZE_MULTIPLE, height * width)
-    except (ValueError, ZeroDivisionError):  # the rule rounds one side down to 0 px
-        ow = oh = 0
-    if ow < SIZE_MULTIPLE or oh < SIZE_MULTIPLE:
+def cover_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
+    """(width, height) the image is resized to before the centre crop: the smallest scaling that covers the canvas,
+    each side rounded (PAN2's sampler). ImageInputError where that resize would be a decompression bomb of its own
+    (a sliver of an image scaled up to cover the canvas)."""
+    scale = max(width / image_width, height / image_height)
+    cover_w, cover_h = round(image_width * scale), round(image_height * scale)
+    if cover_w * cover_h > MAX_IMAGE_PIXELS:
         raise ImageInputError(f"image aspect ratio {image_width}x{image_height} is too extreme for a {height}x{width} "
-                              f"frame (one side would be under {SIZE_MULTIPLE} px); request a larger size")
-    return ow, oh
+                              f"frame: covering it takes a {cover_w}x{cover_h} resize, over the "
+                              f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP limit")
+    return cover_w, cover_h
 
 
 def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
-    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1], by the reference's rule, after PAN2's input checks."""
+    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: LANCZOS-resized to cover the height x width canvas,
+    centre-cropped to it (offsets rounded half to even, as Python rounds), `2 x / 255 - 1` (docs/design.md,
+    "Definitions"; its definition is `reference.pan2_first_frame_from_image`)."""
     check_size(height, width)
-    first_frame_size(*img.size, height, width)  # a one-line error for aspect ratios the rule cannot serve
-    return reference.first_frame_from_image(img, height, width)
+    cover_w, cover_h = cover_size(*img.size, height, width)
+    resized = img.resize((cover_w, cover_h), Image.LANCZOS)
+    left, top = round((cover_w - width) / 2), round((cover_h - height) / 2)
+    pixels = np.asarray(resized.crop((left, top, left + width, top + height)), dtype=np.float32) / 255.0
+    frame = torch.from_numpy(2.0 * pixels - 1.0).permute(2, 0, 1)
+    return frame[None, :, None].contiguous()
 
 
 def load_first_frame(path, height: int, width: int) -> torch.Tensor:

@@ -45,8 +45,6 @@ class Seam:
 
 
 # The stages of FastVideo's Wan pipeline that PAN2Pipeline replaces, as FastVideo names them.
-INPUT_STAGE = "input_validation_stage"
-DECODING_STAGE = "decoding_stage"
 # FastVideo modules that read FASTVIDEO_FA4 when they are imported; once one is loaded, this process's choice is made.
 FA4_READERS = (
     "fastvideo.attention.backends.flash_attn",
@@ -55,23 +53,37 @@ FA4_READERS = (
 )
 
 SEAMS = (
-    Seam("fastvideo.configs.pipelines.wan", "Wan2_2_TI2V_5B_Config", "PAN2's pipeline config is Wan2.2-TI2V-5B's",
-         name="Wan2_2_TI2V_5B_Config"),
+    Seam("fastvideo.configs.pipelines.base", "PipelineConfig", "PAN2's pipeline config is one", name="PipelineConfig"),
+    Seam("fastvideo.configs.models.dits.base", "DiTConfig", "the pipeline config's DiT field", name="DiTConfig"),
+    Seam("fastvideo.configs.models.vaes.base", "VAEConfig", "the pipeline config's VAE field", name="VAEConfig"),
+    Seam("fastvideo.configs.models.vaes", "WanVAEConfig", "PAN2's VAE is the Wan2.2 VAE", name="WanVAEConfig"),
+    Seam("fastvideo.configs.models.encoders.base", "TextEncoderConfig", "PAN2's Qwen3.5 text encoder config",
+         name="TextEncoderConfig"),
+    Seam("fastvideo.configs.models.encoders.base", "TextEncoderArchConfig", "... and its architecture fields",
+         name="TextEncoderArchConfig"),
+    Seam("fastvideo.models.registry", "ModelRegistry", "PAN2's DiT and text encoder are found by their checkpoint "
+         "class names", name="ModelRegistry"),
+    Seam("fastvideo.models.loader.component_loader", "TextEncoderLoader.load_model", "a class with "
+         "supports_hf_from_pretrained returns transformers' model (Qwen3.5)", mentions="from_pretrained_local"),
+    Seam("fastvideo.pipelines.composed_pipeline_base", "ComposedPipelineBase", "PAN2Pipeline is one",
+         name="ComposedPipelineBase"),
+    Seam("fastvideo.pipelines.composed_pipeline_base", "ComposedPipelineBase.load_modules", "a Modular Diffusers "
+         "manifest is rewritten into [library, class] entries, which this reads", mentions="module_spec[0]"),
+    Seam("fastvideo.pipelines.stages.base", "PipelineStage", "PAN2's own stages", name="PipelineStage"),
+    Seam("fastvideo.forward_context", "set_forward_context", "FastVideo's attention reads the forward context",
+         name="set_forward_context"),
+    Seam("diffusers.utils.torch_utils", "randn_tensor", "the noise drawn as FastVideo's latent stage draws it",
+         name="randn_tensor"),
     Seam("fastvideo.configs.pipelines.base", "PipelineConfig.update_pipeline_config", "a pipeline config file sets "
          "dataclass fields only: PAN2's config extends it to its switches (views of vae_config)",
          mentions="fields(self)"),
     Seam("fastvideo.api.sampling_param", "SamplingParam", "PAN2's sampling defaults", name="SamplingParam"),
     Seam("fastvideo.api.presets", "InferencePreset", "the pan2 preset", name="InferencePreset"),
     Seam("fastvideo.api.presets", "PresetStageSpec", "the pan2 preset's denoising stage", name="PresetStageSpec"),
-    Seam("fastvideo.fastvideo_args", "WorkloadType", "PAN2 registers for image-to-video", name="WorkloadType"),
+    Seam("fastvideo.fastvideo_args", "WorkloadType", "PAN2 registers for text- and image-to-video",
+         name="WorkloadType"),
     Seam("fastvideo.entrypoints.video_generator", "VideoGenerator", "the demo generates as a user does",
          name="VideoGenerator"),
-    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline", "PAN2Pipeline is FastVideo's Wan pipeline with "
-         "two stages replaced", name="WanPipeline"),
-    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline.create_pipeline_stages", "PAN2Pipeline replaces "
-         "the stage FastVideo adds under this name", mentions=f'"{INPUT_STAGE}"'),
-    Seam("fastvideo.pipelines.basic.wan.wan_pipeline", "WanPipeline.create_pipeline_stages", "... and this one",
-         mentions=f'"{DECODING_STAGE}"'),
     Seam("fastvideo.pipelines.stages", "InputValidationStage", "PAN2's first-frame stage extends it",
          name="InputValidationStage"),
     Seam("fastvideo.pipelines.stages", "DecodingStage", "PAN2's decoding stage extends it", name="DecodingStage"),
@@ -166,7 +178,49 @@ SEAMS = (
     Seam("fastvideo.logger", "_info", "the first logger.info of a distributed process (WORLD_SIZE > 1) warns in "
          "colour codes, read from the module when it logs", mentions="GREEN,"),
     Seam("fastvideo.logger", "GREEN", "... empty where FastVideo's log stream (stdout) gets none", replaced=True),
-    Seam("fastvideo.logger", "RESET", "... likewise", replaced=True),)
+    Seam("fastvideo.logger", "RESET", "... likewise", replaced=True),
+    # The PAN2 DiT (fastvideo_pan2_ext.model)
+    Seam("fastvideo.configs.models.dits.base", "DiTArchConfig", "PAN2's DiT architecture config is one",
+         name="DiTArchConfig"),
+    Seam("fastvideo.platforms", "AttentionBackendEnum", "the attention backends PAN2's DiT supports",
+         name="AttentionBackendEnum"),
+    Seam("fastvideo.models.dits.base", "BaseDiT", "PAN2's DiT is one (TransformerLoader builds it)", name="BaseDiT"),
+    Seam("fastvideo.models.registry", "_LazyRegisteredModel", "PAN2's DiT is registered lazily (by module and class "
+         "name); FastVideo 0.2.1's register_model(arch, 'module:Class') builds this with two of its three fields",
+         name="LazyRegisteredModel"),
+    Seam("fastvideo.models.registry", "ModelRegistry.models", "... so the entry is stored here (and looked up, for "
+         "idempotence)"),
+    Seam("fastvideo.attention.layer", "DistributedAttention", "the joint [video; text] attention: video q/k/v "
+         "sequence-parallel, text q/k/v replicated (appended after the video)", name="DistributedAttention"),
+    Seam("fastvideo.attention.layer", "DistributedAttention.forward", "... which rotates the video q/k by freqs_cis "
+         "(half-dim cos/sin) interleaved (GPT-J), PAN2's RoPE convention", mentions="is_neox_style=False"),
+    Seam("fastvideo.layers.rotary_embedding", "_apply_rotary_emb", "... GPT-J style: pairs (x[2i], x[2i+1])",
+         mentions="x[..., ::2]"),
+    Seam("fastvideo.attention.layer", "LocalAttention", "the text refiner's self-attention (replicated text)",
+         name="LocalAttention"),
+    Seam("fastvideo.layers.linear", "ReplicatedLinear", "PAN2's DiT linears", name="ReplicatedLinear"),
+    Seam("fastvideo.layers.layernorm", "RMSNorm", "PAN2's RMSNorms (the product cast to the weight dtype first, as "
+         "diffusers' RMSNorm does)", name="RMSNorm"),
+    Seam("fastvideo.layers.layernorm", "LayerNormScaleShift", "the joint blocks' modulated LayerNorms",
+         name="LayerNormScaleShift"),
+    Seam("fastvideo.layers.layernorm", "ScaleResidualLayerNormScaleShift", "... gated residual, then LayerNorm",
+         name="ScaleResidualLayerNormScaleShift"),
+    Seam("fastvideo.layers.layernorm", "ScaleResidual", "... gated residual", name="ScaleResidual"),
+    Seam("fastvideo.layers.mlp", "MLP", "the joint blocks' GELU-tanh feed-forwards", name="MLP"),
+    Seam("fastvideo.layers.visual_embedding", "PatchEmbed", "the patch embedding (Conv3d, tokens in t, h, w order)",
+         name="PatchEmbed"),
+    Seam("fastvideo.layers.visual_embedding", "TimestepEmbedder", "the timestep embedding: fp32 sinusoid cast to the "
+         "weight dtype, Linear, SiLU, Linear", name="TimestepEmbedder"),
+    Seam("fastvideo.layers.visual_embedding", "timestep_embedding", "... cos first (diffusers' flip_sin_to_cos), "
+         "frequencies exp(-ln(10000) i / half)", mentions="torch.cat([torch.cos(args), torch.sin(args)]"),
+    Seam("fastvideo.layers.visual_embedding", "ModulateProjection", "the joint blocks' AdaLN-zero projection",
+         name="ModulateProjection"),
+    Seam("fastvideo.layers.visual_embedding", "unpatchify", "PAN2's unpatchify: each token's features ordered "
+         "(C, pt, ph, pw)", mentions='"nthwcopq->nctohpwq"', name="unpatchify"),
+    Seam("fastvideo.distributed.communication_op", "sequence_model_parallel_shard", "the video tokens over the "
+         "sequence-parallel ranks (padded)", name="sequence_model_parallel_shard"),
+    Seam("fastvideo.distributed.communication_op", "sequence_model_parallel_all_gather_with_unpad", "... and back",
+         name="sequence_model_parallel_all_gather_with_unpad"),)
 # What a PAN2 server needs of FastVideo's HTTP server (its optional web stack: fastapi, uvicorn, aiofiles): checked
 # when a PAN2 server starts (`check_serving`), so a FastVideo without them still runs PAN2 everywhere else.
 SERVE_SEAMS = (
@@ -290,7 +344,7 @@ def _once(owner, name: str, make: Callable[[Callable], Callable]) -> None:
 
 
 def register_pipeline_config(*, pipeline_config_cls, sampling_param_cls, workload_types, detector, model_family,
-                             default_preset, pipeline_cls_name) -> None:
+                             default_preset, pipeline_cls_name, hf_model_paths=()) -> None:
     """Register a pipeline config with a checkpoint detector that goes before FastVideo's own (idempotent)."""
     import fastvideo.registry as registry
 
@@ -298,7 +352,8 @@ def register_pipeline_config(*, pipeline_config_cls, sampling_param_cls, workloa
         return
     registry.register_configs(sampling_param_cls=sampling_param_cls, pipeline_config_cls=pipeline_config_cls,
                               workload_types=workload_types, model_detectors=[detector], model_family=model_family,
-                              default_preset=default_preset, pipeline_cls_name=pipeline_cls_name)
+                              default_preset=default_preset, pipeline_cls_name=pipeline_cls_name,
+                              hf_model_paths=list(hf_model_paths) or None)
     registry._MODEL_NAME_DETECTORS.sort(key=lambda entry: entry[1] is not detector)  # stable: others keep order
     registry.get_model_info.cache_clear()
 

@@ -28,7 +28,7 @@ from typing import NoReturn
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
                                              check_frame_count, check_videos_per_request)
-from fastvideo_pan2_ext.image import check_size, load_image
+from fastvideo_pan2_ext.image import check_size, cover_size, load_image
 from fastvideo_pan2_ext.video_io import check_writable
 
 from . import adapter, decode_failure, streamed_save
@@ -43,7 +43,6 @@ def select_pan2(generator: dict) -> None:
         raise ValueError("--pipeline pan2 needs a checkpoint: --generator.model_path PATH")
     check_pan2_checkpoint(model_path)
     pipeline = generator.setdefault("pipeline", {})
-    pipeline.setdefault("workload_type", "i2v")
     pipeline.setdefault("components", {})["override_pipeline_cls_name"] = PIPELINE_CLASS_NAME
     # PAN2's config object replaces FastVideo's choice; a pipeline-config JSON the user gave is loaded onto it, and
     # PAN2's own fields given as dotted overrides go through its constructor (which validates them).
@@ -69,9 +68,9 @@ def _pan2_run_config(args):
     check_size(sampling["height"], sampling["width"])
     check_videos_per_request(sampling.get("num_videos_per_prompt", 1))
     image_path = request.get("inputs", {}).get("image_path")
-    if image_path is None:
-        raise ValueError("--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE")
-    load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
+    if image_path is not None:  # image-to-video; without one, text-to-video
+        img = load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
+        cover_size(img.width, img.height, sampling["height"], sampling["width"])
 
     config = adapter.validated_generate_config(raw)
     check_frame_count(config.request.sampling.num_frames)

@@ -1,4 +1,5 @@
-"""`PAN2Pipeline`: FastVideo's Wan pipeline (which runs Wan2.2 TI2V) with PAN2's first-frame and decode stages."""
+"""`PAN2Pipeline`: PAN2's sampler as a FastVideo composed pipeline (stages in `stages`, the DiT in
+`fastvideo_pan2_ext.model`), loaded from IFM/PAN2's public layout (`checkpoint`)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
 from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
 
-from . import adapter, request_failure
-from .stages import PAN2DecodingStage, PAN2InputStage
+from . import adapter, checkpoint, request_failure
+from .stages import (PAN2ConditionStage, PAN2DecodingStage, PAN2DenoisingStage, PAN2InputStage,
+                     PAN2LatentPreparationStage, PAN2TextEncodingStage)
 
 logger = logging.getLogger(__name__)
 
-REPLACED_STAGES = {adapter.INPUT_STAGE: PAN2InputStage, adapter.DECODING_STAGE: PAN2DecodingStage}
 
-
-class PAN2Pipeline(adapter.symbol("WanPipeline")):
-    """Wan2.2-TI2V's stages, with `PAN2InputStage` and `PAN2DecodingStage` in place of FastVideo's two."""
+class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
+    """first frame -> prompts -> noise -> condition -> denoise -> decode (docs/design.md, "PAN2's sampler")."""
 
     pipeline_config_cls = PAN2PipelineConfig
     sampling_params_cls = PAN2SamplingParam
+    _required_config_modules = list(checkpoint.REQUIRED_COMPONENTS)
 
     def __init__(self, model_path, fastvideo_args, *args, **kwargs):
         # Where FastVideo's attention is about to be chosen: loading the DiT (below) is what imports FastVideo's
@@ -32,17 +33,24 @@ class PAN2Pipeline(adapter.symbol("WanPipeline")):
         logger.info("PAN2 attention policy: %s=%s (%s); FastVideo modules that read it already loaded: %s", ENV_VAR,
                     os.environ.get(ENV_VAR, "<unset>"), "set here" if set_here else "inherited or left as is",
                     ", ".join(loaded_fa4_readers()) or "none")
-        self.replaced_stages: set[str] = set()
         super().__init__(model_path, fastvideo_args, *args, **kwargs)
 
-    def add_stage(self, stage_name, stage):
-        if stage_name == adapter.INPUT_STAGE:
-            stage = PAN2InputStage()
-        elif stage_name == adapter.DECODING_STAGE:
-            stage = PAN2DecodingStage(vae=self.get_module("vae"), pipeline=self)
-        if stage_name in REPLACED_STAGES:
-            self.replaced_stages.add(stage_name)
-        super().add_stage(stage_name, stage)
+    def _load_config(self, model_path: str) -> dict:
+        super()._load_config(model_path)  # downloads a hub id: self.model_path is then the local folder
+        # Checked (a hub id only now), and a Modular Diffusers manifest in the form FastVideo's loader reads (it takes
+        # each component's library from the entry's first element, and skips entries where that is null).
+        return checkpoint.check_pan2_checkpoint(self.model_path)
+
+    def create_pipeline_stages(self, fastvideo_args) -> None:
+        vae = self.get_module("vae")
+        self.add_stage("input_validation_stage", PAN2InputStage())
+        self.add_stage("prompt_encoding_stage",
+                       PAN2TextEncodingStage(self.get_module("text_encoder"), self.get_module("tokenizer")))
+        self.add_stage("latent_preparation_stage", PAN2LatentPreparationStage(vae))
+        self.add_stage("condition_stage", PAN2ConditionStage(vae))
+        self.add_stage("denoising_stage",
+                       PAN2DenoisingStage(self.get_module("transformer"), self.get_module("scheduler")))
+        self.add_stage("decoding_stage", PAN2DecodingStage(vae=vae, pipeline=self))
 
     def forward(self, batch, fastvideo_args):
         # Several ranks: one that failed alone would leave the others waiting in a collective; they all stop instead,
@@ -56,12 +64,6 @@ class PAN2Pipeline(adapter.symbol("WanPipeline")):
             batch.output = torch.empty(0)
             batch.extra[request_failure.FAILURE_KEY] = request_failure.one_line(exc)
             return batch
-
-    def create_pipeline_stages(self, fastvideo_args) -> None:
-        super().create_pipeline_stages(fastvideo_args)
-        if self.replaced_stages != set(REPLACED_STAGES):
-            raise RuntimeError(f"PAN2Pipeline expected FastVideo's Wan pipeline to add {sorted(REPLACED_STAGES)}; it "
-                               f"added {sorted(self.replaced_stages)} of them")
 
 
 EntryClass = PAN2Pipeline

@@ -3,8 +3,10 @@
 1. Checks that the installed FastVideo has every seam this package uses (`adapter.check`: one line if not), and
    makes FastVideo's colour codes go only to terminals, never with NO_COLOR (`adapter.colour_only_on_terminals`).
 2. On a GPU-less machine, lets FastVideo run on CPU (`adapter.close_cpu_gaps`; nothing happens where a GPU exists).
-3. Registers `PAN2PipelineConfig` + `PAN2SamplingParam` with FastVideo's config registry, with a detector for PAN2
-   checkpoints (`checkpoint.looks_like_pan2`) ahead of FastVideo's own, pinned to the `PAN2Pipeline` class.
+3. Registers `PAN2PipelineConfig` + `PAN2SamplingParam` with FastVideo's config registry (text- and image-to-video,
+   the hub id `IFM/PAN2`), with a detector for PAN2 manifests (`checkpoint.looks_like_pan2`) ahead of FastVideo's
+   own, pinned to the `PAN2Pipeline` class; PAN2's DiT and Qwen3.5 text encoder into FastVideo's model registry under
+   their checkpoint class names (`model.registry`).
 4. Registers the ``pan2`` preset (sampling defaults).
 5. Adds `PAN2Pipeline` to FastVideo's ``basic`` pipelines (imported only when FastVideo builds a pipeline).
 6. Makes a `PAN2PipelineConfig` select `PAN2Pipeline` (FastVideo picks the class from the checkpoint, not the config)
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import logging
 
+from fastvideo_pan2_ext.model.registry import register_models
+from fastvideo_pan2_ext.names import HUB_ID
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
@@ -42,8 +46,10 @@ def register() -> None:
     adapter.close_cpu_gaps()
     adapter.register_pipeline_config(
         pipeline_config_cls=PAN2PipelineConfig, sampling_param_cls=PAN2SamplingParam,
-        workload_types=(adapter.symbol("WorkloadType").I2V, ), detector=looks_like_pan2, model_family=MODEL_FAMILY,
-        default_preset=PRESET_NAME, pipeline_cls_name=PIPELINE_CLASS_NAME)
+        workload_types=(adapter.symbol("WorkloadType").T2V, adapter.symbol("WorkloadType").I2V),
+        detector=looks_like_pan2, model_family=MODEL_FAMILY, default_preset=PRESET_NAME,
+        pipeline_cls_name=PIPELINE_CLASS_NAME, hf_model_paths=(HUB_ID, ))
+    register_models()
     adapter.register_preset(PAN2_PRESET)
     adapter.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)
     adapter.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")

@@ -38,7 +38,7 @@ from pathlib import Path
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import DEFAULT_FPS, DEFAULT_HEIGHT, DEFAULT_NUM_FRAMES, DEFAULT_WIDTH, \
     check_frame_count
-from fastvideo_pan2_ext.image import check_size, first_frame_size, load_image
+from fastvideo_pan2_ext.image import check_size, cover_size, load_image
 from fastvideo_pan2_ext.video_io import check_writable
 
 from . import adapter, cli, decode_failure, request_failure, streamed_save
@@ -162,11 +162,8 @@ class PAN2Server:
         req.output_path = str(folder)
 
     def _check_inputs(self, req, kwargs: dict, upload: Path | None) -> None:
-        image = kwargs.get("image_path")
-        if image is None:
-            raise ValueError("PAN2 makes a video from a first frame: send the image as input_reference (multipart) or "
-                             "reference_url")
-        sent_path = "input_reference" in req.model_fields_set and upload is None
+        image = kwargs.get("image_path")  # None: text-to-video
+        sent_path = image is not None and "input_reference" in req.model_fields_set and upload is None
         if sent_path:
             resolved = Path(image).resolve()
             if not (self.rules.input_dir and _within(resolved, self.rules.input_dir)):
@@ -176,8 +173,9 @@ class PAN2Server:
             image = kwargs["image_path"] = str(resolved)  # what was checked is what the worker opens
         height, width = kwargs.get("height", DEFAULT_HEIGHT), kwargs.get("width", DEFAULT_WIDTH)
         check_size(height, width)
-        img = load_image(image)  # reads it fully: unreadable, truncated or oversized images fail here
-        first_frame_size(img.width, img.height, height, width)
+        if image is not None:
+            img = load_image(image)  # reads it fully: unreadable, truncated or oversized images fail here
+            cover_size(img.width, img.height, height, width)
         fps = kwargs.get("fps", DEFAULT_FPS)
         if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
             raise ValueError(f"fps must be a whole number >= 1; got {fps!r}")

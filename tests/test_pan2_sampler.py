@@ -1,0 +1,137 @@
+"""PAN2 through FastVideo against its definition (`reference.py`): the tiny public-layout checkpoint, built in this
+process as a FastVideo worker builds it, runs the sampler; the reference runs the same checkpoint's files with its own
+plain-PyTorch transformer, prompt encoding, first frame and Euler loop. fp32 end to end: the final latents agree to
+fp32 rounding; FastVideo's default precision (bf16 DiT and text encoder): within the stated bf16 allowance.
+
+The cases: text-to-video; image-to-video from an EXIF-rotated JPEG; a negative prompt with guidance 3.0; a width whose
+patch grid is odd (96 px -> 3 patch columns). The mutation tests in test_pan2_rules.py break each rule on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fastvideo_pan2_ext import reference
+from fastvideo_pan2_ext.model.architecture import LATENT_CHANNELS, PAN2TransformerConfig
+
+pytestmark = pytest.mark.slow
+
+HEIGHT, WIDTH, FRAMES, STEPS, SEED = 64, 96, 5, 3, 7
+PROMPT = "a red fox runs through fresh snow at dawn"
+
+
+def _load_reference_parts(ckpt, text_dtype):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, Qwen3_5TextModel
+
+    config = PAN2TransformerConfig.from_json(json.loads((ckpt / "transformer" / "config.json").read_text()))
+    state = load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
+    vae_config = json.loads((ckpt / "vae" / "config.json").read_text())
+    vae_state = load_file(ckpt / "vae" / "diffusion_pytorch_model.safetensors")
+    shift = json.loads((ckpt / "scheduler" / "scheduler_config.json").read_text())["shift"]
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / "tokenizer")
+    text_encoder = Qwen3_5TextModel.from_pretrained(ckpt / "text_encoder", dtype=text_dtype).eval()
+    return config, state, vae_config, vae_state, shift, tokenizer, text_encoder
+
+
+@torch.no_grad()
+def reference_latents(ckpt, *, prompt, negative_prompt="", image=None, guidance=1.0, height=HEIGHT, width=WIDTH,
+                      frames=FRAMES, steps=STEPS, seed=SEED, dtype=torch.float32, text_dtype=torch.float32):
+    """PAN2's final latents by `reference.py` alone, from the checkpoint's files."""
+    config, state, vae_config, vae_state, shift, tokenizer, text_encoder = _load_reference_parts(ckpt, text_dtype)
+    positive = reference.pan2_prompt_embeds(prompt, tokenizer, text_encoder).to(dtype)
+    negative = reference.pan2_prompt_embeds(negative_prompt, tokenizer, text_encoder).to(dtype) if guidance > 1 \
+        else None
+    shape = (1, LATENT_CHANNELS, (frames - 1) // 4 + 1, height // 16, width // 16)
+    first = None if image is None else reference.pan2_first_frame(image, height, width)
+    condition = reference.pan2_condition(first, vae_state, vae_config["latents_mean"], vae_config["latents_std"],
+                                         shape)
+    noise = reference.pan2_noise(seed, shape)
+    sigmas = reference.pan2_sigmas(steps, shift)
+    return reference.pan2_sample(state, config, positive, negative, condition, noise, sigmas, guidance, dtype)
+
+
+def _build(ckpt, **config_fields):
+    from fastvideo.fastvideo_args import FastVideoArgs
+    from fastvideo.pipelines import build_pipeline
+
+    from fastvideo_pan2_ext import PAN2PipelineConfig
+
+    args = FastVideoArgs.from_kwargs(model_path=str(ckpt), num_gpus=1,
+                                     pipeline_config=PAN2PipelineConfig(**config_fields))
+    pipeline = build_pipeline(args)
+    pipeline.post_init()
+    return pipeline, args
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_ckpt):
+    """The fp32 and the default-precision pipeline, built in this process as a FastVideo worker builds them."""
+    from _pan2_helpers import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    built = {"fp32": _build(tiny_ckpt, dit_precision="fp32", text_encoder_precisions=("fp32", )),
+             "default": _build(tiny_ckpt)}
+    yield built
+    from fastvideo.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def run_pipeline(pipeline, args, ckpt, *, prompt, negative_prompt="", image=None, guidance=1.0, height=HEIGHT,
+                 width=WIDTH, frames=FRAMES, steps=STEPS, seed=SEED):
+    """FastVideo's trajectory: the latents after every step, [steps, 48, T', h, w]."""
+    from _pan2_helpers import forward_batch
+
+    batch = forward_batch(args, ckpt, prompt=prompt, negative_prompt=negative_prompt,
+                          image_path=None if image is None else str(image), guidance_scale=guidance, height=height,
+                          width=width, num_frames=frames, num_inference_steps=steps, seed=seed,
+                          return_trajectory_latents=True, save_video=False, return_frames=False)
+    batch = pipeline.forward(batch, args)
+    return batch.trajectory_latents[0]
+
+
+CASES = {
+    "t2v": dict(prompt=PROMPT),
+    "i2v-exif": dict(prompt=PROMPT, image="EXIF"),
+    "negative-cfg3": dict(prompt=PROMPT, negative_prompt="blurry, static, low quality", guidance=3.0),
+}
+
+
+def _case(name, tmp_path):
+    from _pan2_helpers import exif_rotated_jpeg
+
+    kwargs = dict(CASES[name])
+    if kwargs.get("image") == "EXIF":
+        kwargs["image"] = exif_rotated_jpeg(tmp_path / "first.jpg")
+    return kwargs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fp32_pipeline_is_the_reference_to_fp32_rounding(pipelines, tiny_ckpt, tmp_path, name):
+    kwargs = _case(name, tmp_path)
+    got = run_pipeline(*pipelines["fp32"], tiny_ckpt, **kwargs)
+    want = torch.stack(reference_latents(tiny_ckpt, **kwargs), dim=1)[0]
+    assert got.shape == want.shape == (STEPS, LATENT_CHANNELS, (FRAMES - 1) // 4 + 1, HEIGHT // 16, WIDTH // 16)
+    scale = want.abs().max().item()
+    assert scale > 0.5  # not a degenerate run
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_default_precision_is_the_reference_within_the_bf16_allowance(pipelines, tiny_ckpt, tmp_path, name):
+    """Allowance: the pipeline's distance from the fp32 reference at most 3x (+ 1% of the latents' scale) the
+    reference's own bf16 run's distance from it (the DiT and the text encoder in bf16, the latents fp32)."""
+    kwargs = _case(name, tmp_path)
+    got = run_pipeline(*pipelines["default"], tiny_ckpt, **kwargs)[-1]
+    exact = reference_latents(tiny_ckpt, **kwargs)[-1][0]
+    bf16 = reference_latents(tiny_ckpt, dtype=torch.bfloat16, text_dtype=torch.bfloat16, **kwargs)[-1][0]
+    baseline = (bf16 - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    assert baseline > 0  # bf16 does change the result: the comparison below can fail
+    assert (got - exact).abs().max().item() <= 3 * baseline + 0.01 * scale
