@@ -4,7 +4,8 @@ plain-PyTorch transformer, prompt encoding, first frame and Euler loop. fp32 end
 fp32 rounding; FastVideo's default precision (bf16 DiT and text encoder): within the stated bf16 allowance.
 
 The cases: text-to-video; image-to-video from an EXIF-rotated JPEG; a negative prompt with guidance 3.0; a width whose
-patch grid is odd (96 px -> 3 patch columns). The mutation tests in test_pan2_rules.py break each rule on purpose.
+patch grid is odd (96 px -> 3 patch columns). The mutation tests at the end break each rule in the product on purpose
+(injected from the test) and show that the comparison then fails: the tiny checkpoint is sensitive to every rule.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _case(name, tmp_path):
 
     kwargs = dict(CASES[name])
     if kwargs.get("image") == "EXIF":
-        kwargs["image"] = exif_rotated_jpeg(tmp_path / "first.jpg")
+        # 198 x 128 covers the 96 x 64 canvas at 99 x 64: the centre crop's offset 1.5 rounds (to 2), not floors.
+        kwargs["image"] = exif_rotated_jpeg(tmp_path / "first.jpg", width=198, height=128)
     return kwargs
 
 
@@ -135,3 +137,88 @@ def test_default_precision_is_the_reference_within_the_bf16_allowance(pipelines,
     scale = exact.abs().max().item()
     assert baseline > 0  # bf16 does change the result: the comparison below can fail
     assert (got - exact).abs().max().item() <= 3 * baseline + 0.01 * scale
+
+
+def _mutate_rope_to_neox(monkeypatch, pipeline):
+    import fastvideo.attention.layer as layer
+
+    rotate = layer._apply_rotary_emb
+    monkeypatch.setattr(layer, "_apply_rotary_emb", lambda x, cos, sin, is_neox_style: rotate(x, cos, sin, True))
+
+
+def _mutate_hidden_layer(monkeypatch, pipeline):
+    from fastvideo_pan2_ext.integration import stages
+
+    monkeypatch.setattr(stages, "HIDDEN_LAYER", -2)
+
+
+def _mutate_template_crop(monkeypatch, pipeline):
+    from fastvideo_pan2_ext.integration import stages
+
+    monkeypatch.setattr(stages, "USER_HEADER", "<|im_start|>system\n")  # the system message becomes condition
+
+
+def _mutate_system_message(monkeypatch, pipeline):
+    from fastvideo_pan2_ext.integration import stages
+
+    monkeypatch.setattr(stages, "SYSTEM_MESSAGE", "You are a helpful assistant.")
+
+
+def _mutate_first_frame_crop(monkeypatch, pipeline):
+    from PIL import Image
+
+    from fastvideo_pan2_ext import image
+
+    def floor_crop(img, height, width):  # Wan's centre crop: offsets floored
+        cover_w, cover_h = image.cover_size(*img.size, height, width)
+        left, top = (cover_w - width) // 2, (cover_h - height) // 2
+        resized = img.resize((cover_w, cover_h), Image.LANCZOS).crop((left, top, left + width, top + height))
+        pixels = torch.from_numpy(__import__("numpy").asarray(resized, dtype="float32") / 255.0)
+        return (2.0 * pixels - 1.0).permute(2, 0, 1)[None, :, None].contiguous()
+
+    from fastvideo_pan2_ext.integration import stages
+
+    monkeypatch.setattr(stages, "first_frame_from_image", floor_crop)
+
+
+def _mutate_exif(monkeypatch, pipeline):
+    from fastvideo_pan2_ext import image
+    from fastvideo_pan2_ext.integration import stages
+
+    monkeypatch.setattr(stages, "load_image", lambda path: image.load_image(path, exif_transpose=True))
+
+
+def _mutate_shift(monkeypatch, pipeline):
+    scheduler = pipeline.get_module("scheduler")
+    monkeypatch.setattr(scheduler, "_shift", 5.0)
+
+
+def _mutate_timestep_scale(monkeypatch, pipeline):
+    dit = pipeline.get_module("transformer")
+    forward = dit.forward
+    monkeypatch.setattr(dit, "forward", lambda *a, timestep, **k: forward(*a, timestep=timestep / 1000, **k))
+
+
+MUTATIONS = {
+    "rope-neox": ("t2v", _mutate_rope_to_neox),
+    "hidden-layer-minus-2": ("t2v", _mutate_hidden_layer),
+    "template-crop-at-system": ("t2v", _mutate_template_crop),
+    "system-message": ("t2v", _mutate_system_message),
+    "first-frame-floor-crop": ("i2v-exif", _mutate_first_frame_crop),
+    "exif-transpose": ("i2v-exif", _mutate_exif),
+    "shift-5": ("t2v", _mutate_shift),
+    "timestep-not-x1000": ("t2v", _mutate_timestep_scale),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_breaking_a_rule_breaks_the_agreement(pipelines, tiny_ckpt, tmp_path, monkeypatch, mutation):
+    """Each rule, broken in the product alone, moves the final latents 50x beyond the fp32 agreement's tolerance."""
+    case, mutate = MUTATIONS[mutation]
+    pipeline, args = pipelines["fp32"]
+    kwargs = _case(case, tmp_path)
+    want = reference_latents(tiny_ckpt, **kwargs)[-1][0]
+    with monkeypatch.context() as patch:
+        mutate(patch, pipeline)
+        got = run_pipeline(pipeline, args, tiny_ckpt, **kwargs)[-1]
+    assert (got - want).abs().max().item() > 1e-3 * want.abs().max().item()
