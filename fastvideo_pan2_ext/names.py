@@ -3,7 +3,8 @@
 PIPELINE_CLASS_NAME = "PAN2Pipeline"  # the pipeline class (FastVideo's and diffusers')
 # A PAN2 checkpoint's manifest `_class_name`: IFM publishes a Modular Diffusers repo; a plain diffusers folder names
 # the pipeline class.
-PIPELINE_CLASS_NAMES = ("PAN2ModularPipeline", PIPELINE_CLASS_NAME)
+MODULAR_PIPELINE_CLASS_NAME = "PAN2ModularPipeline"
+PIPELINE_CLASS_NAMES = (MODULAR_PIPELINE_CLASS_NAME, PIPELINE_CLASS_NAME)
 HUB_ID = "IFM/PAN2"  # the public checkpoint
 MODEL_FAMILY = "pan2"  # FastVideo's config registry
 PRESET_NAME = "pan2"  # FastVideo's preset registry, and `fastvideo generate --pipeline pan2`

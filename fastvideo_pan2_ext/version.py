@@ -1,3 +1,3 @@
 """The package's version: the one definition (pyproject.toml reads it too)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

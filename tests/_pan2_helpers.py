@@ -30,7 +30,7 @@ E2E_HEIGHT, E2E_WIDTH, E2E_FRAMES = 64, 96, 9
 def tiny_checkpoint(base: Path) -> Path:
     """The tiny PAN2 checkpoint under `base` (made once per test session; later calls reuse it)."""
     out = base / "pan2-tiny"
-    if not (out / "model_index.json").exists():
+    if not (out / "modular_model_index.json").exists():
         partial = base / f"pan2-tiny.partial-{os.getpid()}"
         proc = run([sys.executable, "-m", "fastvideo_pan2_ext.demo.tiny_checkpoints", str(partial)], env_extra=OFFLINE)
         assert proc.returncode == 0, proc.stderr[-3000:]

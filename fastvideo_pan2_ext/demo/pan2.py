@@ -36,7 +36,7 @@ def ensure_tiny_checkpoint(cache_dir: Path, seed: int = 0) -> tuple[Path, bool]:
     from fastvideo_pan2_ext.demo.tiny_checkpoints import make_tiny_checkpoint
 
     target = cache_dir / f"pan2-tiny-{__version__}-seed{seed}"
-    if (target / "model_index.json").exists():
+    if (target / "modular_model_index.json").exists():
         return target, False
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cache_dir / f".{target.name}.partial-{os.getpid()}"
