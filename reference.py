@@ -10,12 +10,11 @@ reading against the math, not for speed: the fast decoders in `fastvideo_pan2_ex
 then log-variance, unclamped), bit-identical in fp32 and bf16, both layouts, built from the decoder's own causal
 convs, norms, residual blocks and attention.
 
-`load_first_frame` is Wan2.2's own image-to-video preprocessing of the first frame (docs/design.md, "Definitions").
 
 The PAN2 section defines PAN2's sampler (docs/design.md, "PAN2") as diffusers' `PAN2Transformer3DModel` and IFM's
 pipeline compute it, read through vLLM-Omni's port (the one public implementation), plain functions over a state dict:
 `pan2_transformer` (the DiT over a state dict, in fp32 or bf16 with diffusers' precision rules), `pan2_rope`,
-`pan2_prompt_embeds` (Qwen3.5's `hidden_states[-3]` after the user header), `pan2_first_frame` (PAN2's own cover
+`pan2_prompt_embeds` (Qwen3.5's `hidden_states[-3]` after the user header), `load_first_frame` (PAN2's own cover
 resize and round() crop, not Wan2.2's), `pan2_condition` (the 49-channel first-frame condition), `pan2_sigmas` /
 `pan2_timesteps` (diffusers' flow-match schedule with a static shift), `pan2_noise` (FastVideo's draw for a seed) and
 `pan2_sample` (the flow-match Euler loop with CFG, latents in fp32).
@@ -314,54 +313,6 @@ def encode(x: torch.Tensor, state_dict: dict[str, torch.Tensor], dtype: torch.dt
         return _causal_conv3d(out, p["quant_conv.weight"], p["quant_conv.bias"])
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The first frame, as Wan2.2's image-to-video sampler reads it
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def best_output_size(w: int, h: int, dw: int, dh: int, expected_area: int) -> tuple[int, int]:
-    """Wan2.2's choice of output (width, height): multiples of (dw, dh), area <= expected_area, aspect closest to w/h."""
-    ratio = w / h
-    ow = (expected_area * ratio) ** 0.5
-    oh = expected_area / ow
-    # Width first, then height first; keep whichever keeps the aspect ratio better.
-    ow1 = int(ow // dw * dw)
-    oh1 = int(expected_area / ow1 // dh * dh) if ow1 else 0
-    oh2 = int(oh // dh * dh)
-    ow2 = int(expected_area / oh2 // dw * dw) if oh2 else 0
-    if 0 in (ow1, oh1, ow2, oh2):
-        raise ValueError(f"a {w}x{h} image is too elongated for an output of area {expected_area} in multiples of "
-                         f"{dw}x{dh}; ask for a larger height x width")
-    ratio1, ratio2 = ow1 / oh1, ow2 / oh2
-    if max(ratio / ratio1, ratio1 / ratio) < max(ratio / ratio2, ratio2 / ratio):
-        return ow1, oh1
-    return ow2, oh2
-
-
-def load_first_frame(path, height: int, width: int) -> torch.Tensor:
-    """The first frame as Wan2.2's i2v sampler makes it: [1, 3, 1, H, W] float32 in [-1, 1].
-
-    The stored pixels (no EXIF orientation) as RGB, then `first_frame_from_image`.
-    """
-    _check_frame_size(height, width)
-    return first_frame_from_image(Image.open(path).convert("RGB"), height, width)
-
-
-def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
-    """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: an output size of area height x width in multiples of 32
-    with the image's aspect ratio; LANCZOS resize to cover it; centre crop; `(x / 255 - 0.5) / 0.5`."""
-    _check_frame_size(height, width)
-    iw, ih = img.size
-    ow, oh = best_output_size(iw, ih, 32, 32, height * width)
-    scale = max(ow / iw, oh / ih)
-    img = img.resize((round(iw * scale), round(ih * scale)), Image.LANCZOS)
-    x1, y1 = (img.width - ow) // 2, (img.height - oh) // 2
-    img = img.crop((x1, y1, x1 + ow, y1 + oh))
-    pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
-    frame = pixels.to(torch.float32).div(255).sub_(0.5).div_(0.5)
-    return frame.unsqueeze(1).unsqueeze(0)
-
-
 def _check_frame_size(height, width) -> None:
     for name, value in (("height", height), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 32:
@@ -606,14 +557,14 @@ def pan2_prompt_embeds(prompt: str, tokenizer, text_encoder, max_tokens: int = P
     return hidden[:, crop_start:]
 
 
-def pan2_first_frame(path, height: int, width: int) -> torch.Tensor:
+def load_first_frame(path, height: int, width: int) -> torch.Tensor:
     """The first frame as PAN2's sampler reads it: [1, 3, 1, H, W] float32 in [-1, 1]. The stored pixels (no EXIF
-    orientation) as RGB, then `pan2_first_frame_from_image`."""
+    orientation) as RGB, then `first_frame_from_image`."""
     _check_frame_size(height, width)
-    return pan2_first_frame_from_image(Image.open(path).convert("RGB"), height, width)
+    return first_frame_from_image(Image.open(path).convert("RGB"), height, width)
 
 
-def pan2_first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
+def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
     """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: LANCZOS resize to cover height x width at the rounded size,
     centre crop at round()ed offsets (Python's, half to even; Wan2.2's floors), then diffusers' VaeImageProcessor
     scaling: x / 255 in fp32, then 2 x - 1."""

@@ -192,6 +192,5 @@ PAN2_PRESET = adapter.symbol("InferencePreset")(
         "guidance_scale": DEFAULT_GUIDANCE_SCALE,
         "num_inference_steps": DEFAULT_NUM_INFERENCE_STEPS,
         "seed": DEFAULT_SEED,
-        "negative_prompt": DEFAULT_NEGATIVE_PROMPT,
     },
 )

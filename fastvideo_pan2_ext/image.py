@@ -1,6 +1,6 @@
 """Reading PAN2's first frame: the stored pixels (no EXIF transpose), resized to cover the canvas, centre-cropped.
 
-`load_first_frame` computes the frame as its definition does (`fastvideo_pan2_ext.reference.pan2_first_frame`, checked
+`load_first_frame` computes the frame as its definition does (`fastvideo_pan2_ext.reference.load_first_frame`, checked
 against it by the tests) and adds the input checks a public entry point needs. Bad input raises `ImageInputError` (a
 ValueError) with one line that names the file and the problem.
 """
@@ -85,7 +85,7 @@ def cover_size(image_width: int, image_height: int, height: int, width: int) -> 
 def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
     """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: LANCZOS-resized to cover the height x width canvas,
     centre-cropped to it (offsets rounded half to even, as Python rounds), `2 x / 255 - 1` (docs/design.md,
-    "Definitions"; its definition is `reference.pan2_first_frame_from_image`)."""
+    "Definitions"; its definition is `reference.first_frame_from_image`)."""
     check_size(height, width)
     cover_w, cover_h = cover_size(*img.size, height, width)
     resized = img.resize((cover_w, cover_h), Image.LANCZOS)

@@ -39,6 +39,23 @@ def tiny_checkpoint(base: Path) -> Path:
     return out
 
 
+WAN22 = ("Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v")  # (the folder name FastVideo matches, the maker's layout)
+WAN21 = ("Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v")
+
+
+def stock_checkpoint(base: Path, name: str, layout: str) -> Path:
+    """The tiny stock checkpoint `base/stock/<name>` of `layout` (made once per test session; later calls reuse it)."""
+    out = base / "stock" / name
+    if not (out / "model_index.json").exists():
+        partial = base / f"stock-{layout}.partial-{os.getpid()}"
+        proc = run([sys.executable, "-m", "fastvideo_pan2_ext.demo.tiny_checkpoints", str(partial), "--layout",
+                    layout], env_extra=OFFLINE)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out.parent.mkdir(exist_ok=True)
+        partial.rename(out)  # a complete folder appears at once, under the name FastVideo matches
+    return out
+
+
 def exif_rotated_jpeg(path: Path, width: int = 192, height: int = 128, orientation: int = 6) -> Path:
     """A landscape gradient JPEG whose EXIF says 'rotate 90 degrees to display' (stored pixels stay landscape)."""
     import numpy as np

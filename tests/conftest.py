@@ -58,6 +58,22 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wan22_stock(tmp_path_factory):
+    """A tiny stock Wan2.2-TI2V-5B checkpoint (model_index: WanPipeline; Wan2.2 VAE: residual, patch size 2)."""
+    from _pan2_helpers import WAN22, stock_checkpoint
+
+    return stock_checkpoint(tmp_path_factory.getbasetemp(), *WAN22)
+
+
+@pytest.fixture(scope="session")
+def wan21_stock(tmp_path_factory):
+    """A tiny stock Wan2.1 T2V 1.3B checkpoint (16 latent channels, the plain Wan2.1 VAE)."""
+    from _pan2_helpers import WAN21, stock_checkpoint
+
+    return stock_checkpoint(tmp_path_factory.getbasetemp(), *WAN21)
+
+
+@pytest.fixture(scope="session")
 def pan2(tiny_ckpt):
     """(pipeline, fastvideo_args) for the tiny checkpoint, built in this process the way a FastVideo worker builds
     it (FastVideo's own `build_pipeline`), once per test run (tests that change its config restore it)."""
@@ -70,7 +86,7 @@ def pan2(tiny_ckpt):
     from fastvideo.fastvideo_args import FastVideoArgs
     from fastvideo.pipelines import build_pipeline
 
-    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), num_gpus=1, workload_type="i2v")
+    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), num_gpus=1)
     pipeline = build_pipeline(args)
     pipeline.post_init()  # what the first forward does: creates the stages
     yield pipeline, args

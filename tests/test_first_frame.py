@@ -35,10 +35,12 @@ def test_first_frame_ignores_exif_orientation(tmp_path):
     assert float(frame.min()) >= -1.0 and float(frame.max()) <= 1.0
 
 
-def test_first_frame_size_follows_requested_area_not_fastvideo_cap(tmp_path):
-    path = exif_rotated_jpeg(tmp_path / "wide.jpg", 1280, 720, orientation=1)
-    assert load_first_frame(path, 704, 1248).shape == (1, 3, 1, 704, 1248)  # 16:9 at PAN2's default: exact
-    assert image.first_frame_size(1280, 720, 704, 1248) == (1248, 704)
+def test_first_frame_fills_the_requested_canvas_whatever_the_images_shape(tmp_path):
+    for w, h in ((1280, 720), (720, 1280), (100, 100), (198, 128)):
+        path = exif_rotated_jpeg(tmp_path / f"{w}x{h}.jpg", w, h, orientation=1)
+        assert load_first_frame(path, 704, 1248).shape == (1, 3, 1, 704, 1248)
+    assert image.cover_size(1280, 720, 704, 1248) == (1252, 704)  # scale 704 / 720: 1251.6 px wide, rounded
+    assert image.cover_size(198, 128, 64, 96) == (99, 64)
 
 
 @pytest.mark.parametrize("height,width", [(63, 96), (64, 100), (0, 96), (64, -32), (64.0, 96), (True, 96)])
@@ -77,10 +79,11 @@ def test_decompression_bomb_is_refused_before_decoding(tmp_path, width, height, 
         load_image(path)
 
 
-def test_too_extreme_aspect_ratio_is_one_clear_error(tmp_path):
-    path = exif_rotated_jpeg(tmp_path / "pano.jpg", 1024, 128, orientation=1)
-    with pytest.raises(ImageInputError, match=r"aspect ratio 1024x128 is too extreme for a 64x96 frame"):
-        load_first_frame(path, 64, 96)
+def test_a_sliver_whose_cover_resize_would_be_a_bomb_is_one_clear_error(tmp_path):
+    path = exif_rotated_jpeg(tmp_path / "sliver.png", 4000, 2, orientation=1)
+    with pytest.raises(ImageInputError, match=r"aspect ratio 4000x2 is too extreme for a 704x1248 frame: covering "
+                                              r"it takes a 1408000x704 resize"):
+        load_first_frame(path, 704, 1248)
 
 
 def test_errors_are_single_lines(tmp_path):

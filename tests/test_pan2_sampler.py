@@ -48,7 +48,7 @@ def reference_latents(ckpt, *, prompt, negative_prompt="", image=None, guidance=
     negative = reference.pan2_prompt_embeds(negative_prompt, tokenizer, text_encoder).to(dtype) if guidance > 1 \
         else None
     shape = (1, LATENT_CHANNELS, (frames - 1) // 4 + 1, height // 16, width // 16)
-    first = None if image is None else reference.pan2_first_frame(image, height, width)
+    first = None if image is None else reference.load_first_frame(image, height, width)
     condition = reference.pan2_condition(first, vae_state, vae_config["latents_mean"], vae_config["latents_std"],
                                          shape)
     noise = reference.pan2_noise(seed, shape)

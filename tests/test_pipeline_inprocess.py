@@ -19,27 +19,31 @@ from _pan2_helpers import (decompression_bomb_png, exif_rotated_jpeg, fake_flash
 from fastvideo_pan2_ext import reference
 
 
-def test_fastvideo_builds_pan2_pipeline_with_exactly_two_stages_replaced(pan2):
+def test_fastvideo_builds_pan2_pipeline_from_the_public_layout(pan2):
     from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.integration.stages import PAN2DecodingStage, PAN2InputStage
+    from fastvideo_pan2_ext.integration import stages as pan2_stages
+    from fastvideo_pan2_ext.model.transformer import PAN2Transformer3DModel
 
     pipeline, args = pan2
     assert type(pipeline).__name__ == "PAN2Pipeline"
     assert type(args.pipeline_config) is PAN2PipelineConfig  # chosen by FastVideo's own model detection
     stages = {name: type(stage) for name, stage in pipeline._stage_name_mapping.items()}
-    assert list(stages) == ["input_validation_stage", "prompt_encoding_stage", "conditioning_stage",
-                            "timestep_preparation_stage", "latent_preparation_stage", "denoising_stage",
-                            "decoding_stage"]
-    assert stages["input_validation_stage"] is PAN2InputStage and issubclass(PAN2InputStage, InputValidationStage)
-    assert stages["decoding_stage"] is PAN2DecodingStage and issubclass(PAN2DecodingStage, DecodingStage)
-    assert all(cls.__module__.startswith("fastvideo.") for name, cls in stages.items()
-               if name not in ("input_validation_stage", "decoding_stage"))
+    assert stages == {"input_validation_stage": pan2_stages.PAN2InputStage,
+                      "prompt_encoding_stage": pan2_stages.PAN2TextEncodingStage,
+                      "latent_preparation_stage": pan2_stages.PAN2LatentPreparationStage,
+                      "condition_stage": pan2_stages.PAN2ConditionStage,
+                      "denoising_stage": pan2_stages.PAN2DenoisingStage,
+                      "decoding_stage": pan2_stages.PAN2DecodingStage}
+    assert issubclass(pan2_stages.PAN2InputStage, InputValidationStage)
+    assert issubclass(pan2_stages.PAN2DecodingStage, DecodingStage)
+    assert type(pipeline.get_module("transformer")) is PAN2Transformer3DModel  # FastVideo's registry found it
+    assert type(pipeline.get_module("text_encoder")).__name__ == "Qwen3_5TextModel"  # transformers' own
 
 
 def test_first_frame_reaches_vae_encoder_bit_identical_to_reference(pan2, tiny_ckpt, tmp_path):
-    """Every sign-off file through the real pipeline; the tensor is captured as the denoising stage hands it to the
+    """Every sign-off file through the real pipeline; the tensor is captured as the condition stage hands it to the
     VAE's encode (the real stage boundary) and compared with `reference.load_first_frame`."""
     pipeline, args = pan2
     vae = pipeline.get_module("vae")
@@ -114,7 +118,7 @@ def test_decode_with_kernel_is_wanvaedecoder_on_fastvideos_denormalized_latents(
             assert torch.equal(ours, (direct.float() / 2 + 0.5).clamp(0, 1)), frames_per_pass
     finally:
         args.pipeline_config.vae_decode_kernel = False
-        args.pipeline_config.vae_decode_frames_per_pass = 4
+        args.pipeline_config.vae_decode_frames_per_pass = "auto"
     assert ours.shape == (1, 3, 9, 64, 96)
     # The allowance (docs/design.md, "Definitions"): against the fp32 reference of the same de-normalized latents,
     # baseline the release bf16 decode. The stage's [0, 1] video maps back to [-1, 1] exactly (bf16 values, fp32 math).
@@ -177,7 +181,7 @@ def test_pipeline_pan2_needs_no_config_and_keeps_dotted_overrides(pan2, tiny_ckp
                      "--generator.pipeline.experimental.vae_decode_max_memory", "8GiB",
                      "--generator.pipeline.experimental.flow_shift", "3.0")
     sampling = run.request.sampling
-    assert (sampling.height, sampling.width, sampling.num_frames, sampling.fps, sampling.seed) == (64, 1248, 121, 24, 7)
+    assert (sampling.height, sampling.width, sampling.num_frames, sampling.fps, sampling.seed) == (64, 1248, 241, 24, 7)
     fastvideo_args = generator_config_to_fastvideo_args(run.generator)
     config = fastvideo_args.pipeline_config
     assert type(config) is PAN2PipelineConfig
@@ -209,12 +213,8 @@ def test_without_pipeline_flag_generate_is_unchanged(monkeypatch, capsys):
         main()
 
 
-def _bad_input_cases(tiny_ckpt, tmp_path):
+def _bad_input_cases(tiny_ckpt, wan22_stock, tmp_path):
     image = exif_rotated_jpeg(tmp_path / "ok.jpg")
-    not_pan2 = tmp_path / "wan21-t2v"
-    shutil.copytree(tiny_ckpt, not_pan2)
-    index = json.loads((not_pan2 / "model_index.json").read_text())
-    (not_pan2 / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
     old_vae = tmp_path / "pan2-old-vae"
     shutil.copytree(tiny_ckpt, old_vae)
     vae_config = json.loads((old_vae / "vae" / "config.json").read_text())
@@ -244,14 +244,14 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
                                       r"height must be a positive multiple of 32; got 100"),
         "width not multiple of 32": ([*good, "--request.sampling.width", "1250"],
                                      r"width must be a positive multiple of 32; got 1250"),
-        "not a PAN2 checkpoint": (["--generator.model_path", str(not_pan2), *good[2:]],
-                                  r"is not a PAN2 checkpoint: model_index.json _class_name is 'WanPipeline'"),
+        "a Wan2.2 checkpoint": (["--generator.model_path", str(wan22_stock), *good[2:]],
+                                r"is not a PAN2 checkpoint: its manifest's _class_name is 'WanPipeline' \(expected "
+                                r"one of PAN2ModularPipeline, PAN2Pipeline\)"),
         "Wan2.1 VAE": (["--generator.model_path", str(old_vae), *good[2:]], r"vae/config.json is not a Wan2.2 VAE"),
         "not a folder": (["--generator.model_path", str(image), *good[2:]], r"is not a folder"),
         "no model path": (good[2:], r"--pipeline pan2 needs a checkpoint: --generator.model_path PATH"),
         "bad PAN2 field": ([*good, "--generator.pipeline.experimental.vae_decode_frames_per_pass", "0"],
                            r"vae_decode_frames_per_pass must be 'auto' or an int >= 1; got 0"),
-        "no image": (good[:4], r"--pipeline pan2 needs a first frame: --request.inputs.image_path IMAGE"),
         "two videos per request": ([*good, "--request.sampling.num_videos_per_prompt", "2"],
                                    r"PAN2 makes one video per request .* got num_videos_per_prompt=2"),
         "tiles without the fast decoder": ([*good, "--generator.pipeline.experimental.vae_decode_tile_rows", "4"],
@@ -262,10 +262,10 @@ def _bad_input_cases(tiny_ckpt, tmp_path):
     }
 
 
-def test_bad_input_gets_one_clear_error_line(pan2, tiny_ckpt, tmp_path, monkeypatch, capsys):
+def test_bad_input_gets_one_clear_error_line(pan2, tiny_ckpt, wan22_stock, tmp_path, monkeypatch, capsys):
     import re
 
-    cases = _bad_input_cases(tiny_ckpt, tmp_path)
+    cases = _bad_input_cases(tiny_ckpt, wan22_stock, tmp_path)
     monkeypatch.setenv("FASTVIDEO_FA4", "banana")
     cases["FASTVIDEO_FA4 neither 0 nor 1"] = (_request(tiny_ckpt, tmp_path / "ok.jpg"),
                                              r"FASTVIDEO_FA4 must be unset, 0 or 1; got 'banana'")
@@ -305,7 +305,7 @@ def test_fa4_policy_warns_when_fastvideos_flash_attention_is_already_loaded(pan2
             sys.modules.pop(name, None)
 
 
-def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoints(pan2, tiny_ckpt, tmp_path):
+def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoints(pan2, tiny_ckpt, wan22_stock):
     from fastvideo.fastvideo_args import FastVideoArgs
 
     from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError
@@ -313,9 +313,6 @@ def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoi
 
     args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), pipeline_config=PAN2PipelineConfig())
     assert args.override_pipeline_cls_name == "PAN2Pipeline"
-    other = tmp_path / "wan-t2v"
-    shutil.copytree(tiny_ckpt, other)
-    index = json.loads((other / "model_index.json").read_text())
-    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
-    with pytest.raises(NotPAN2CheckpointError, match=r"is not a PAN2 checkpoint: model_index.json _class_name"):
-        FastVideoArgs.from_kwargs(model_path=str(other), pipeline_config=PAN2PipelineConfig())
+    with pytest.raises(NotPAN2CheckpointError, match=r"is not a PAN2 checkpoint: its manifest's _class_name is "
+                                                     r"'WanPipeline'"):
+        FastVideoArgs.from_kwargs(model_path=str(wan22_stock), pipeline_config=PAN2PipelineConfig())

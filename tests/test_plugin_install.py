@@ -100,8 +100,8 @@ def test_wheel_installs_the_hook_and_fastvideo_then_registers_the_plugin(tmp_pat
         "same_class": True, "hook_left": [], "pan2_configs": 1,
         "first_detector": "looks_like_pan2", "config_for_checkpoint": "PAN2PipelineConfig",
         "pipeline_for_checkpoint": "PAN2Pipeline", "sampling_for_checkpoint": "PAN2SamplingParam",
-        "preset": {"height": 704, "width": 1248, "num_frames": 121, "fps": 24, "guidance_scale": 5.0,
-                   "num_inference_steps": 50},
+        "preset": {"height": 704, "width": 1248, "num_frames": 241, "fps": 24, "guidance_scale": 2.5,
+                   "num_inference_steps": 50, "seed": 123},
         "cli_patched": True,
     }
 

@@ -413,7 +413,7 @@ def test_first_frame_is_pan2s_cover_crop_without_exif(tmp_path):
         stored = img.convert("RGB")
     resized = np.asarray(stored.resize((99, 64), Image.LANCZOS))
     expected = (resized[:, 18:82].astype(np.float32) / np.float32(255)) * np.float32(2) - np.float32(1)
-    got = reference.pan2_first_frame(path, 64, 64)
+    got = reference.load_first_frame(path, 64, 64)
     assert got.shape == (1, 3, 1, 64, 64) and got.dtype == torch.float32
     assert torch.equal(got[0, :, 0], torch.from_numpy(expected).permute(2, 0, 1))
     floor_crop = (resized[:, 17:81].astype(np.float32) / np.float32(255)) * np.float32(2) - np.float32(1)
@@ -429,7 +429,7 @@ def test_first_frame_covers_a_tall_image():
 
     pixels = np.random.default_rng(0).integers(0, 256, size=(90, 50, 3), dtype=np.uint8)
     img = Image.fromarray(pixels)
-    got = reference.pan2_first_frame_from_image(img, 64, 32)
+    got = reference.first_frame_from_image(img, 64, 32)
     expected = np.asarray(img.resize((36, 64), Image.LANCZOS))[:, 2:34].astype(np.float32) / np.float32(255)
     assert torch.equal(got[0, :, 0], torch.from_numpy(expected * np.float32(2) - np.float32(1)).permute(2, 0, 1))
 

@@ -23,44 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, last_json_line, run,
+from _pan2_helpers import (E2E_FRAMES, E2E_HEIGHT, E2E_WIDTH, FASTVIDEO_CLI, OFFLINE, WAN22, last_json_line, run,
                            video_frames_and_size)
 
 pytestmark = pytest.mark.slow
 
-WAN22 = ("Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v")
-WAN21 = ("Wan2.1-T2V-1.3B-Diffusers", "wan2.1-t2v")
 FAST_DECODER_LINE = "fast VAE decoder:"
 SWITCH = "--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel"
 REQUEST = {"height": E2E_HEIGHT, "width": E2E_WIDTH, "num_frames": E2E_FRAMES, "num_inference_steps": 2, "seed": 0}
-
-
-def stock_checkpoint(base: Path, name: str, layout: str) -> Path:
-    """The tiny stock checkpoint `base/stock/<name>` of `layout` (made once per test session; later calls reuse it)."""
-    out = base / "stock" / name
-    if not (out / "model_index.json").exists():
-        partial = base / f"stock-{layout}.partial-{os.getpid()}"
-        proc = run([sys.executable, "-m", "fastvideo_pan2_ext.demo.tiny_checkpoints", str(partial), "--layout",
-                    layout], env_extra=OFFLINE)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out.parent.mkdir(exist_ok=True)
-        partial.rename(out)  # a complete folder appears at once, under the name FastVideo matches
-    return out
-
-
-@pytest.fixture(scope="session")
-def wan22_stock(tmp_path_factory):
-    """A tiny stock Wan2.2-TI2V-5B checkpoint (model_index: WanPipeline; Wan2.2 VAE: residual, patch size 2)."""
-    return stock_checkpoint(tmp_path_factory.getbasetemp(), *WAN22)
-
-
-@pytest.fixture(scope="session")
-def wan21_stock(tmp_path_factory):
-    """A tiny stock Wan2.1 T2V 1.3B checkpoint (16 latent channels, the plain Wan2.1 VAE)."""
-    return stock_checkpoint(tmp_path_factory.getbasetemp(), *WAN21)
-
-
-# --------------------------------------------------------------------------------------------------- the CLI
 
 
 def cli_generate(checkpoint: Path, video: Path, *overrides: str):
