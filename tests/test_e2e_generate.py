@@ -126,3 +126,54 @@ def test_streamed_save_through_the_python_api_is_fastvideos_save(tiny_ckpt, tmp_
     assert streamed.read_bytes() == fastvideo.read_bytes()
     assert f"wrote {E2E_FRAMES} frames to {streamed} while decoding" in log
     assert f"to {fastvideo} while decoding" not in log
+
+
+def _renamed(tiny_ckpt, tmp_path):
+    """The tiny checkpoint in a folder whose name says nothing: PAN2 is recognised by its files."""
+    import shutil
+
+    folder = tmp_path / "some-model"
+    shutil.copytree(tiny_ckpt, folder)
+    return folder
+
+
+def test_cli_text_to_video_from_a_folder_named_anything(tiny_ckpt, tmp_path):
+    video = tmp_path / "t2v.mp4"
+    proc = run([FASTVIDEO_CLI, "generate", "--pipeline", "pan2", "--generator.model_path",
+                str(_renamed(tiny_ckpt, tmp_path)), "--request.prompt", "a lighthouse in a storm",
+                "--request.sampling.height", str(E2E_HEIGHT), "--request.sampling.width", str(E2E_WIDTH),
+                "--request.sampling.num_frames", str(E2E_FRAMES), "--request.sampling.num_inference_steps", "2",
+                "--request.output.output_path", str(video)], env_extra=OFFLINE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert video_frames_and_size(video) == (E2E_FRAMES, (E2E_WIDTH, E2E_HEIGHT))
+    assert "PAN2 attention policy" in proc.stdout + proc.stderr  # the worker built PAN2's pipeline
+
+
+API_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from fastvideo import VideoGenerator
+
+    if __name__ == "__main__":
+        checkpoint, out, height, width, frames = sys.argv[1:]
+        generator = VideoGenerator.from_pretrained(checkpoint, num_gpus=1)  # no PAN2 config: found by its files
+        try:
+            result = generator.generate_video(
+                prompt="a lighthouse in a storm", negative_prompt="blurry", guidance_scale=3.0, height=int(height),
+                width=int(width), num_frames=int(frames), num_inference_steps=2, seed=5, output_path=out,
+                save_video=True, return_frames=False)
+        finally:
+            generator.shutdown()
+        config = type(generator.fastvideo_args.pipeline_config).__name__
+        print(json.dumps({"video_path": result["video_path"], "config": config}))
+""")
+
+
+def test_python_api_text_to_video_finds_pan2_by_its_files(tiny_ckpt, tmp_path):
+    script = tmp_path / "t2v.py"
+    script.write_text(API_SCRIPT)
+    video = tmp_path / "api-t2v.mp4"
+    proc = run([sys.executable, str(script), str(_renamed(tiny_ckpt, tmp_path)), str(video), str(E2E_HEIGHT),
+                str(E2E_WIDTH), str(E2E_FRAMES)], env_extra=OFFLINE, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert last_json_line(proc.stdout) == {"video_path": str(video), "config": "PAN2PipelineConfig"}
+    assert video_frames_and_size(video) == (E2E_FRAMES, (E2E_WIDTH, E2E_HEIGHT))

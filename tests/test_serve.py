@@ -95,7 +95,6 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
                          "height must be a positive multiple of 32; got 200"),
         "truncated JPEG": (server.submit(_truncated_jpeg(tmp_path / "cut.jpg", image), prompt="x", size=SIZE,
                                          num_frames=FRAMES), "cut.jpg"),
-        "no image": (server.submit(prompt="x", size=SIZE, num_frames=FRAMES), "send the image as input_reference"),
         "10 frames": (server.submit(image, prompt="x", size=SIZE, num_frames=10), "got 10: ask for 9 or 13"),
         "seconds halfway": (server.submit(image, prompt="x", size=SIZE, seconds=1, fps=7),
                             "seconds=1 at fps=7 is 7 frames, halfway between 5 and 9"),
@@ -169,6 +168,15 @@ def test_a_failure_in_the_worker_fails_that_job_only(server, image):
     assert _files(server.output_dir / "uploads") == []  # every job's upload went with it
     videos = _files(server.output_dir / "videos")
     assert videos and all(not p.name.startswith(".") for p in videos)  # no partial file
+
+
+def test_a_request_without_an_image_is_text_to_video(server, image):
+    t2v = server.wait(server.submit(None, prompt="a lighthouse in a storm", size=SIZE, num_frames=FRAMES,
+                                    seed=11).json()["id"])
+    i2v = server.wait(server.submit(image, prompt="a lighthouse in a storm", size=SIZE, num_frames=FRAMES,
+                                    seed=11).json()["id"])
+    assert t2v["status"] == i2v["status"] == "completed", (t2v, i2v)
+    assert server.content_sha256(t2v["id"]) != server.content_sha256(i2v["id"])  # the first frame conditions
 
 
 def test_delete_skips_a_waiting_job_and_removes_a_video_made_or_being_made(server, image):

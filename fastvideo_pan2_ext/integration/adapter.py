@@ -70,6 +70,8 @@ SEAMS = (
     Seam("fastvideo.pipelines.composed_pipeline_base", "ComposedPipelineBase.load_modules", "a Modular Diffusers "
          "manifest is rewritten into [library, class] entries, which this reads", mentions="module_spec[0]"),
     Seam("fastvideo.pipelines.stages.base", "PipelineStage", "PAN2's own stages", name="PipelineStage"),
+    Seam("fastvideo.api.compat", "generator_config_to_fastvideo_args", "the CLI checks PAN2's memory plan on the "
+         "FastVideoArgs its run will make, before anything loads", name="generator_config_to_fastvideo_args"),
     Seam("fastvideo.forward_context", "set_forward_context", "FastVideo's attention reads the forward context",
          name="set_forward_context"),
     Seam("diffusers.utils.torch_utils", "randn_tensor", "the noise drawn as FastVideo's latent stage draws it",

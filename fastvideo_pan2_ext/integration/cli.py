@@ -29,9 +29,10 @@ from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
                                              check_frame_count, check_videos_per_request)
 from fastvideo_pan2_ext.image import check_size, cover_size, load_image
+from fastvideo_pan2_ext.model import memory
 from fastvideo_pan2_ext.video_io import check_writable
 
-from . import adapter, decode_failure, streamed_save
+from . import adapter, decode_failure, memory_check, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
@@ -74,6 +75,9 @@ def _pan2_run_config(args):
 
     config = adapter.validated_generate_config(raw)
     check_frame_count(config.request.sampling.num_frames)
+    sampling = config.request.sampling
+    memory_check.check(adapter.symbol("generator_config_to_fastvideo_args")(config.generator),
+                       memory.Request(sampling.height, sampling.width, sampling.num_frames))
     output_path = config.request.output.output_path  # a file (.mp4) or a folder FastVideo names the file in
     check_writable(output_path if output_path.endswith(".mp4") else Path(output_path) / "video.mp4")
     apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision

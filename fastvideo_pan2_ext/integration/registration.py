@@ -14,10 +14,11 @@
 7. Gives FastVideo's Wan VAE config the fast decoder's and the fast encoder's switches and routes its VAE's decode
    and encode through them where a switch is on (`fast_decode`, `fast_encode`), with the switches' options checked
    when FastVideoArgs are made.
-8. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
+8. Checks PAN2's memory plan where FastVideoArgs are made (the weights, before any loads; `memory_check`).
+9. Adds ``--pipeline`` to ``fastvideo generate`` (`cli`), the streamed, atomic save (`streamed_save`), and keeps the
    latents of a decode that fails with the fast decoder on (`kept_latents`).
-9. Serves PAN2 with ``fastvideo serve`` (`serving`): one job at a time, requests checked at submission, a request
-   that fails in the worker failing alone (`request_failure`).
+10. Serves PAN2 with ``fastvideo serve`` (`serving`): one job at a time, requests checked at submission, a request
+    that fails in the worker failing alone (`request_failure`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from fastvideo_pan2_ext.names import HUB_ID
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
-from . import adapter, cli, fast_decode, fast_encode, kept_latents, request_failure, serving, streamed_save
+from . import (adapter, cli, fast_decode, fast_encode, kept_latents, memory_check, request_failure, serving,
+               streamed_save)
 from .checkpoint import check_pan2_checkpoint, looks_like_pan2
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def register() -> None:
     adapter.after_wan_vae_moves(fast_encode.vae_moved)
     adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
     adapter.on_fastvideo_args(fast_encode.check_fastvideo_args, "after")
+    adapter.on_fastvideo_args(_pan2_weights_fit, "after")
     cli.install()
     streamed_save.install()
     kept_latents.install()
@@ -73,6 +76,11 @@ def _pipeline_class() -> type:
     from .pipeline import PAN2Pipeline  # noqa: PLC0415 - FastVideo's model code: only when a pipeline is built
 
     return PAN2Pipeline
+
+
+def _pan2_weights_fit(args) -> None:
+    if isinstance(args.pipeline_config, PAN2PipelineConfig):
+        memory_check.check(args)  # before any worker loads a weight
 
 
 def _pan2_config_selects_pan2_pipeline(args) -> None:

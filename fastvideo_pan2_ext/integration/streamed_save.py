@@ -40,7 +40,7 @@ from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_coun
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
 from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path, write_grid_stream
 
-from . import adapter, decode_failure, fast_decode, request_failure
+from . import adapter, decode_failure, fast_decode, memory_check, request_failure
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
     check_videos_per_request(sampling_param.num_videos_per_prompt)
     check_frame_count(sampling_param.num_frames)
     args.pipeline_config.check_vae_options()
+    memory_check.check_sampling(args, sampling_param)  # before the request reaches the workers
     if request_failure.fails_alone():
         kwargs = adapter.with_batch_extra(kwargs, request_failure.FAILS_ALONE_KEY, True)
     if decode_failure.keeps_latents(args):  # beside the path FastVideo chose, even for a request that saves nothing
