@@ -114,3 +114,32 @@ def test_the_cli_refuses_a_run_that_cannot_fit_before_any_weight_loads(pan2, tin
     assert info.value.code == 2 and len(lines) == 1 and not started
     assert lines[0].startswith("fastvideo generate: error: PAN2 (1248x704, 241 frames) with no offload needs")
     assert "set text_encoder_cpu_offload=True, vae_cpu_offload=True" in lines[0]
+
+
+def test_the_cost_models_flops_are_what_torch_counts_on_the_reference_transformer():
+    """Linear layers: FlopCounterMode over the reference's forward (tiny config, an odd patch grid, 7 text tokens).
+    Attention (which torch's CPU attention does not report to it): the same shapes as explicit matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fastvideo_pan2_ext import reference
+    from fastvideo_pan2_ext.model.architecture import weight_shapes
+    from fastvideo_pan2_ext.model.cost import forward_flops
+
+    c = PAN2TransformerConfig(num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6), num_layers=2,
+                              num_refiner_layers=1, text_embed_dim=40)
+    g = torch.Generator().manual_seed(0)
+    state = {name: torch.randn(shape, generator=g) * 0.05 for name, shape in weight_shapes(c).items()}
+    video, text = 3 * 2 * 3, 7
+    with FlopCounterMode(display=False) as counter:
+        reference.pan2_transformer(torch.randn(1, 97, 3, 4, 6), torch.tensor([500.0]), torch.randn(1, text, 40),
+                                   state, c)
+    counted = counter.get_flop_counts()["Global"]
+    assert set(map(str, counted)) == {"aten.convolution", "aten.addmm", "aten.mm"}
+    flops = forward_flops(c, video, text)
+    assert flops.linear == sum(counted.values())
+    with FlopCounterMode(display=False) as counter:
+        for tokens, blocks in ((video + text, c.num_layers), (text, c.num_refiner_layers)):
+            for _ in range(blocks):
+                q = k = v = torch.randn(c.num_attention_heads, tokens, c.attention_head_dim)
+                torch.softmax(q @ k.transpose(1, 2), -1) @ v
+    assert flops.attention == counter.get_total_flops()
