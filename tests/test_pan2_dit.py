@@ -301,3 +301,43 @@ def test_two_sequence_parallel_ranks_give_one_ranks_output(loaded, checkpoint, t
     outputs = run_ranks(_sp_rank, 2, tmp_path, free_port(), str(root), group=False)
     for output in outputs:  # every rank returns the whole output
         torch.testing.assert_close(output, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_every_attention_goes_through_fastvideos_chosen_backend(loaded, monkeypatch):
+    """FastVideo's backend choice is where FA4 acts (FASTVIDEO_FA4, docs/design.md, "The transformer"): each joint
+    block's and each refiner block's attention must be a call of the backend FastVideo chose (here its SDPA backend,
+    the one a CPU gets), never torch's attention called directly. Recorded at the backend's forward and at torch's."""
+    import torch.nn.functional as F
+    from fastvideo.attention.backends.sdpa import SDPAImpl
+
+    model = loaded["fp32"]
+    backend_calls, direct_calls = [], []
+    through = SDPAImpl.forward
+
+    def recording_backend(self, query, key, value, *args, **kwargs):
+        backend_calls.append(query.shape[1])  # the tokens attended over
+        return through(self, query, key, value, *args, **kwargs)
+
+    sdpa = F.scaled_dot_product_attention
+    inside_backend = []
+
+    def recording_torch(*args, **kwargs):
+        if not inside_backend:
+            direct_calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    def backend(self, *args, **kwargs):
+        inside_backend.append(1)
+        try:
+            return recording_backend(self, *args, **kwargs)
+        finally:
+            inside_backend.pop()
+
+    monkeypatch.setattr(SDPAImpl, "forward", backend)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_torch)
+    hidden_states, timestep, text = _inputs()
+    _run(model, hidden_states, timestep, text)
+    video_tokens = 3 * 2 * 3
+    assert sorted(backend_calls) == sorted([TEXT_TOKENS] * TINY.num_refiner_layers
+                                           + [video_tokens + TEXT_TOKENS] * TINY.num_layers)
+    assert direct_calls == []

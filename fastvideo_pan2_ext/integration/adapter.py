@@ -166,6 +166,9 @@ SEAMS = (
          name="get_local_torch_device"),
     Seam("fastvideo.platforms.cpu", "CpuPlatform", "CPU only: it has no get_attn_backend_cls, so no attention "
          "backend is ever found; it gets one answering torch SDPA", replaced=True),
+    Seam("fastvideo.pipelines.composed_pipeline_base", "warmup_sequence_parallel_communication", "CPU only: with "
+         "sp_size > 1 a pipeline warms its all-to-alls up on a CUDA tensor; on a GPU-less machine, on CPU tensors "
+         "(gloo)", replaced=True),
     Seam("torch", "autocast", "CPU only: stages run under autocast('cuda', bf16), a no-op without CUDA; on a "
          "GPU-less machine 'cuda' means CPU autocast (the same mixed precision on the device that exists)",
          replaced=True),
@@ -983,6 +986,11 @@ def close_cpu_gaps() -> bool:
         if (name == "fastvideo" or name.startswith("fastvideo.")) \
                 and getattr(module, "get_local_torch_device", None) is original_device_fn:
             module.get_local_torch_device = get_local_torch_device
+
+    import fastvideo.pipelines.composed_pipeline_base as composed
+
+    warmup = composed.warmup_sequence_parallel_communication
+    composed.warmup_sequence_parallel_communication = lambda device=None: warmup(torch.device("cpu"))
 
     if "get_attn_backend_cls" not in CpuPlatform.__dict__:
         CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, selected_backend, head_size, dtype: SDPA_BACKEND)
