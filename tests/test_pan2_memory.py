@@ -96,7 +96,7 @@ def test_a_plan_that_cannot_fit_names_the_options_that_would():
 @pytest.mark.slow
 def test_the_cli_refuses_a_run_that_cannot_fit_before_any_weight_loads(pan2, tiny_ckpt, monkeypatch, capsys):
     """One 84 GB GPU (the weights fit, 241 frames do not) and the real model's sizes (neither exists here: both
-    injected), no offload (what FastVideo's flags say on this machine), PAN2's default 241 frames: one line, exit 2,
+    injected), no offload asked for, PAN2's default 241 frames: one line, exit 2,
     from the CLI's checks, before a worker starts. On 80 GB the weights alone are refused the same way."""
     from fastvideo.entrypoints.cli.main import main
 
@@ -106,8 +106,10 @@ def test_the_cli_refuses_a_run_that_cannot_fit_before_any_weight_loads(pan2, tin
     monkeypatch.setattr(memory.Sizes, "from_checkpoint", classmethod(lambda cls, folder: REAL))
     started = []
     monkeypatch.setattr("multiprocessing.context.SpawnProcess.start", lambda self: started.append(self))
+    no_offload = [arg for flag in ("dit", "dit_layerwise", "text_encoder", "vae")
+                  for arg in (f"--generator.engine.offload.{flag}", "false")]
     monkeypatch.setattr(sys, "argv", ["fastvideo", "generate", "--pipeline", "pan2", "--generator.model_path",
-                                      str(tiny_ckpt), "--request.prompt", "a fox"])
+                                      str(tiny_ckpt), "--request.prompt", "a fox", *no_offload])
     with pytest.raises(SystemExit) as info:
         main()
     lines = capsys.readouterr().err.strip().splitlines()
@@ -143,3 +145,22 @@ def test_the_cost_models_flops_are_what_torch_counts_on_the_reference_transforme
                 q = k = v = torch.randn(c.num_attention_heads, tokens, c.attention_head_dim)
                 torch.softmax(q @ k.transpose(1, 2), -1) @ v
     assert flops.attention == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("gpu_gb,chosen", [
+    (141, {"dit": False, "dit_layerwise": False, "text_encoder": False, "vae": False}),
+    (80, {"dit": False, "dit_layerwise": False, "text_encoder": True, "vae": True}),
+    (40, {"dit": False, "dit_layerwise": True, "text_encoder": True, "vae": True}),
+])
+def test_the_pan2_preset_picks_the_fastest_layout_that_fits_the_gpus_it_finds(tiny_ckpt, monkeypatch, gpu_gb,
+                                                                              chosen):
+    from fastvideo_pan2_ext.integration import memory_check
+
+    monkeypatch.setattr(memory_check, "gpu_bytes", lambda num_gpus: gpu_gb * GB)
+    monkeypatch.setattr(memory.Sizes, "from_checkpoint", classmethod(lambda cls, folder: REAL))
+    generator = {"model_path": str(tiny_ckpt)}
+    layout = memory_check.choose_layout(generator, R241)
+    assert generator["engine"]["offload"] == chosen and generator["engine"]["use_fsdp_inference"] is False
+    assert memory.plan(REAL, R241, layout).fits(gpu_gb * GB)
+    given = {"model_path": str(tiny_ckpt), "engine": {"offload": {"vae": True}}}
+    assert memory_check.choose_layout(given, R241) is None and given["engine"]["offload"] == {"vae": True}

@@ -67,6 +67,10 @@ def _pan2_run_config(args):
     for key, value in PAN2_PRESET.defaults.items():
         sampling.setdefault(key, value)
     check_size(sampling["height"], sampling["width"])
+    chosen = memory_check.choose_layout(raw["generator"], memory.Request(sampling["height"], sampling["width"],
+                                                                         sampling["num_frames"]))
+    if chosen is not None:
+        print(f"fastvideo generate: PAN2 on this machine's GPUs: {chosen.describe()}", file=sys.stderr)
     check_videos_per_request(sampling.get("num_videos_per_prompt", 1))
     image_path = request.get("inputs", {}).get("image_path")
     if image_path is not None:  # image-to-video; without one, text-to-video

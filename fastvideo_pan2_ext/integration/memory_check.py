@@ -46,3 +46,28 @@ def check(args, request: memory.Request = WEIGHTS_ONLY) -> memory.MemoryPlan | N
 
 def check_sampling(args, sampling_param) -> memory.MemoryPlan | None:
     return check(args, memory.Request(sampling_param.height, sampling_param.width, sampling_param.num_frames))
+
+
+def choose_layout(generator: dict, request: memory.Request) -> memory.Layout | None:
+    """PAN2's preset for the GPUs this machine has: in a raw run config's `generator` section where the user set none
+    of the options the plan decides (FastVideo's offload flags, FSDP), the fastest layout that fits (`memory`:
+    FastVideo's own defaults stream every block from the CPU, which a 141 GB GPU does not need). Returns it, or None
+    where nothing was chosen (no GPU, a checkpoint not on disk, options given, nothing fits: the check then says so)."""
+    engine = generator.setdefault("engine", {})
+    offload = engine.setdefault("offload", {})
+    if any(key in offload for key in ("dit", "dit_layerwise", "text_encoder", "vae")) or "use_fsdp_inference" in engine:
+        return None
+    num_gpus = int(engine.get("num_gpus", 1))
+    available = gpu_bytes(num_gpus)
+    model_path = generator.get("model_path")
+    if available is None or not model_path or not os.path.isdir(model_path):
+        return None
+    fitting = memory.first_fitting(memory.Sizes.from_checkpoint(model_path), request, available, num_gpus)
+    if fitting is None:
+        return None
+    chosen = fitting.layout
+    offload.update(dit=False, dit_layerwise=chosen.dit_layerwise_offload, text_encoder=chosen.text_encoder_cpu_offload,
+                   vae=chosen.vae_cpu_offload)
+    engine["use_fsdp_inference"] = chosen.use_fsdp_inference
+    engine.setdefault("parallelism", {}).setdefault("sp_size", chosen.sp_size)
+    return chosen
