@@ -51,7 +51,8 @@ def test_demo_rejects_bad_files(capsys, tmp_path):
     out_file = tmp_path / "out.txt"
     out_file.write_text("x")
     for argv, message in ((["--image", str(bomb)], "12000x9000 = 108 MP, over the 89 MP limit"),
-                          (["--checkpoint", str(not_pan2)], "is not a PAN2 checkpoint: missing model_index.json"),
+                          (["--checkpoint", str(not_pan2)],
+                           "is not a PAN2 checkpoint: it has neither model_index.json nor modular_model_index.json"),
                           (["--out", str(out_file)], "--out must be a folder")):
         with pytest.raises(SystemExit) as info:
             demo.main(argv)
