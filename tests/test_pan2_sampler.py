@@ -11,7 +11,6 @@ patch grid is odd (96 px -> 3 patch columns). The mutation tests at the end brea
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -70,18 +69,11 @@ def _build(ckpt, **config_fields):
 
 
 @pytest.fixture(scope="module")
-def pipelines(tiny_ckpt):
-    """The fp32 and the default-precision pipeline, built in this process as a FastVideo worker builds them."""
-    from _pan2_helpers import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    built = {"fp32": _build(tiny_ckpt, dit_precision="fp32", text_encoder_precisions=("fp32", )),
-             "default": _build(tiny_ckpt)}
-    yield built
-    from fastvideo.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+def pipelines(pan2, tiny_ckpt):
+    """The fp32 and the default-precision pipeline, built in this process as a FastVideo worker builds them, in the
+    distributed environment of the session's `pan2` (which ends it when the session ends)."""
+    return {"fp32": _build(tiny_ckpt, dit_precision="fp32", text_encoder_precisions=("fp32", )),
+            "default": _build(tiny_ckpt)}
 
 
 def run_pipeline(pipeline, args, ckpt, *, prompt, negative_prompt="", image=None, guidance=1.0, height=HEIGHT,
