@@ -46,7 +46,7 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
         self.add_stage("input_validation_stage", PAN2InputStage())
         self.add_stage("prompt_encoding_stage",
                        PAN2TextEncodingStage(self.get_module("text_encoder"), self.get_module("tokenizer")))
-        self.add_stage("latent_preparation_stage", PAN2LatentPreparationStage(vae))
+        self.add_stage("latent_preparation_stage", PAN2LatentPreparationStage())
         self.add_stage("condition_stage", PAN2ConditionStage(vae))
         self.add_stage("denoising_stage",
                        PAN2DenoisingStage(self.get_module("transformer"), self.get_module("scheduler")))

@@ -104,10 +104,6 @@ class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
 class PAN2LatentPreparationStage(adapter.symbol("PipelineStage")):
     """The initial noise, [B, 48, T', H/16, W/16] in fp32, drawn as FastVideo draws it (CPU generators per seed)."""
 
-    def __init__(self, vae) -> None:
-        super().__init__()
-        self.vae = vae
-
     def forward(self, batch, fastvideo_args):
         arch = fastvideo_args.pipeline_config.vae_config.arch_config
         shape = (batch.num_videos_per_prompt, LATENT_CHANNELS,

@@ -12,6 +12,7 @@ the text encoder's CPU offload runs it on the CPU, the VAE's keeps it off the GP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -123,9 +124,11 @@ def _transformer_resident(sizes: Sizes, layout: Layout) -> int:
     return total * b
 
 
-def _vae_decode_bytes(sizes: Sizes, request: Request, layout: Layout) -> int:
+@functools.lru_cache(maxsize=16)
+def _vae_decode_bytes(request: Request) -> int:
     """The fast decoder's working memory for the request, untiled one frame per pass and streamed (what a
-    PAN2 save runs), from its planner's replay on the meta device."""
+    PAN2 save runs), from its planner's replay on the meta device (once per request size: the check runs on every
+    request)."""
     import torch
 
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes
@@ -175,7 +178,7 @@ def plan(sizes: Sizes, request: Request, layout: Layout = Layout()) -> MemoryPla
         "one joint block's activations": block_activation_bytes(c, tokens, request.text_tokens, layout.sp_size,
                                                                 dit_b),
         "latents": 2 * tokens * c.patch_volume * c.out_channels * 4 * 2,  # fp32 latents and the condition
-        "VAE decode": _vae_decode_bytes(sizes, request, layout),
+        "VAE decode": _vae_decode_bytes(request),
     }
     vae_resident = 0 if layout.vae_cpu_offload else components["VAE weights"]
     dit, text = components["transformer weights"], components["text encoder weights"]
