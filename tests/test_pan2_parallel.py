@@ -1,9 +1,9 @@
 """PAN2 over several ranks through FastVideo's own executor, as users run it: `VideoGenerator` and `fastvideo generate`
 with `num_gpus: 2` and `sp_size: 2` (gloo ranks on this CPU), the DiT in fp32, guidance 3.0, at a size whose video
 tokens do not divide by 2 (96x96, 9 frames: 3 x 3 x 3 = 27 tokens): the final latents and the frames are the one-rank
-run's, to fp32 rounding. Sequence parallelism splits the video tokens over the ranks (padded to 28), the text replicated; FastVideo 0.2.1
-has no way to run the two guidance branches on different ranks (no CFG-parallel group), so PAN2 runs them in turn on
-every rank."""
+run's, to fp32 rounding. Sequence parallelism splits the video tokens over the ranks (padded to 28), the text
+replicated; FastVideo 0.2.1 has no way to run the two guidance branches on different ranks (no CFG-parallel group), so
+PAN2 runs them in turn on every rank."""
 
 from __future__ import annotations
 
