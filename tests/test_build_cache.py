@@ -138,7 +138,7 @@ def test_racing_processes_without_the_lock_still_agree_on_one_published_build(tm
     assert not list((tmp_path / "cache").glob(".staging-*"))
 
 
-def test_builder_killed_mid_build_never_blocks_the_next_process(tmp_path, source):
+def test_builder_killed_mid_build_never_blocks_the_next_process_which_removes_its_folder(tmp_path, source):
     offset = 5000 + uuid.uuid4().int % 1000
     victim = _start(tmp_path, source, offset, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -146,6 +146,8 @@ def test_builder_killed_mid_build_never_blocks_the_next_process(tmp_path, source
         assert victim.poll() is None, "builder finished before it could be killed"
         assert time.monotonic() < deadline, "builder never started compiling"
         time.sleep(0.05)
+    (folder,) = [p for p in (tmp_path / "build").iterdir() if p.is_dir()]
+    assert build.remove_dead_builds(tmp_path / "build") == [] and folder.is_dir()  # a live builder's: its lock held
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert not _entries(tmp_path), "a killed builder published something"
@@ -155,6 +157,7 @@ def test_builder_killed_mid_build_never_blocks_the_next_process(tmp_path, source
     assert Path(result["file"]).parent in _entries(tmp_path)
     # It built (it did not wait out the lock timeout, which is 30 minutes).
     assert time.monotonic() - start < 200
+    assert not list((tmp_path / "build").iterdir()), "the killed builder's folder (or its lock) was left behind"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "tampered"])

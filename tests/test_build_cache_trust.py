@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -331,3 +332,63 @@ def test_every_folder_above_the_root_decides_whether_it_is_trusted(tmp_path, lay
             build.open_folder(root)
         assert str(caught.value) == f"{blamed}, a folder above the build cache, {problem}" + (
             f" (uid {os.geteuid()}) or root" if "owned" in problem else "")
+
+
+# A builder as a user without root's power over files (root less CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, as
+# setpriv drops them): another user's unreadable file or folder refuses it as it refuses any user. Its "compiler"
+# copies a real build of the extension (the cache's logic runs; the compile is the other tests').
+STUBBED = """
+import json, shutil, sys
+from fastvideo_pan2_ext.vae_kernel.compiled import build
+root, source, offset, prebuilt = sys.argv[1:]
+def copy_prebuilt(spec, build_dir, timeout_s):
+    (build_dir / build.BUILD_LOG).write_text("copied, not compiled")
+    shutil.copyfile(prebuilt, build_dir / f"{spec.name}.so")
+    return build_dir / f"{spec.name}.so"
+build._build_in_child = copy_prebuilt
+spec = build.ExtensionSpec(name="tiny_trust_ext", sources=(source,), extra_cflags=(f"-DTINY_OFFSET={offset}",))
+module = build.load_extension(spec, root=root)
+print(json.dumps({"file": module.__file__, "sum": module.add(2, 3)}))
+"""
+needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+
+
+@needs_root
+@needs_setpriv
+@pytest.mark.parametrize("foreign", ["module", "entry"])
+def test_another_users_unreadable_file_or_folder_in_an_entry_gives_a_build_not_a_permission_error(tmp_path, source,
+                                                                                                  own_build, foreign):
+    prebuilt, built_offset = own_build
+    offset = _offset()
+    root = _private_root(tmp_path / "root")
+    entry = _plant(prebuilt, root / "cache", _spec(source, offset))
+    target = entry / f"{NAME}.so" if foreign == "module" else entry
+    target.chmod(0o700 if foreign == "entry" else 0o600)
+    _chown_tree(target, NOBODY)  # copied in by root, say: nobody else can put it there
+    proc = subprocess.Popen(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c",
+                             STUBBED, str(root), str(source), str(offset), str(prebuilt / f"{NAME}.so")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != build.BUILD_DIR_ENV})
+    result = _finish(proc, timeout=120)
+    assert result["sum"] == 5 + built_offset and "PermissionError" not in result["stderr"]
+    if foreign == "module":  # the entry is this user's: moved aside, and built again in its place
+        assert result["file"] == str(entry / f"{NAME}.so") and (entry / f"{NAME}.so").stat().st_uid == os.geteuid()
+        assert "owned by uid 65534, not by this user" in result["stderr"]
+    else:  # another user's folder cannot be moved aside: a private build, one warning saying why
+        assert not result["file"].startswith(str(root))
+        (warning,) = _warnings(result["stderr"])
+        assert f"build cache {root} is not private ({entry} is bad (" in warning and "cannot be moved aside" in warning
+
+
+def test_a_fifo_in_an_entry_is_refused_without_opening_it(tmp_path, source, own_build):
+    prebuilt, _ = own_build
+    spec = _spec(source, _offset())
+    root = _private_root(tmp_path / "root")
+    entry = _plant(prebuilt, root / "cache", spec)
+    (entry / build.BUILD_LOG).unlink()
+    os.mkfifo(entry / build.BUILD_LOG, 0o600)  # no writer: opening it to read would wait forever
+    verdict, key = [], entry.name[len(NAME) + 1:]
+    checker = threading.Thread(target=lambda: verdict.append(build.verify_entry(entry, NAME, key)), daemon=True)
+    checker.start()
+    checker.join(timeout=20)
+    assert verdict == [f"{entry / build.BUILD_LOG} is a symbolic link or not a file"]

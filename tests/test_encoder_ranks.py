@@ -2,13 +2,15 @@
 attention's keys and values gathered) give every rank the moments one rank alone computes, bit for bit (the same ops
 on the same rows, at one thread), for both layouts, both precisions, uneven bands, idle ranks and the steady reuse
 (skipped by every rank together); and the group's rounds are the decoder's: bad or different input on one rank is a
-ValueError on every rank, an error on one rank reaches every rank, and running out of memory on one rank makes the
-whole group retry at a smaller plan, with the same moments (docs/design.md, "The encoder").
+ValueError on every rank, so are weights that differ (the decoder's too), an error on one rank reaches every rank,
+and running out of memory on one rank makes the whole group retry at a smaller plan, with the same moments
+(docs/design.md, "The encoder").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
@@ -143,6 +145,38 @@ def test_bad_input_errors_and_running_out_of_memory_on_one_rank_reach_every_rank
         assert r["out of memory"][0] == "ok" and torch.equal(r["out of memory"][1], expected)
         assert r["retries"] == [(2, None)] and r["plan"] == (1, None)
         assert torch.equal(r["after"], expected)  # no rank was left behind in a round
+
+
+def _different_weights(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
+    from fastvideo_pan2_ext.diffusers_encode import enable_fast_encode
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+
+    vae, video = _vae("wan22"), _video(SIZES["wan22"], 5, batch=1)
+    results = {"same": outcome(lambda: WanVAEEncoder(vae).encode(video))}
+    if rank == 1:  # one weight of the decoder and one of the encoder, 1% off (bf16 keeps that)
+        with torch.no_grad():
+            vae.decoder.conv_out.weight[0].mul_(1.01)
+            vae.encoder.conv_out.weight[0].mul_(1.01)
+    results["encoder"] = outcome(lambda: WanVAEEncoder(vae).encode(video))
+    results["decoder"] = outcome(lambda: WanVAEDecoder(vae, backend="torch").decode(torch.ones(1, 48, 2, 4, 5)))
+    enable_fast_encode(vae, pg=dist.group.WORLD)
+    with torch.no_grad():
+        results["diffusers"] = outcome(lambda: vae.encode(video))
+    return results
+
+
+def test_ranks_whose_weights_differ_each_refuse_the_encode_and_the_decode_in_one_line(tmp_path):
+    results = run_ranks(_different_weights, 2, tmp_path)
+    for r in results:
+        assert r["same"][0] == "ok"  # the same weights: agreed
+        for work, part in [("encode", "encoder"), ("decode", "decoder"), ("encode", "diffusers")]:
+            kind, message = r[part]
+            assert kind == "ValueError" and re.fullmatch(
+                rf"ranks disagree about the {work}'s weights: rank 1's {work}r weights have checksum \S+, rank 0's "
+                r"\S+; every rank must hold the same VAE weights", message), (part, message)
+    assert results[0]["encoder"] == results[1]["encoder"]  # one line, the same on every rank
 
 
 def _diffusers_vae_over_ranks(rank: int, world: int, tmp: str) -> dict:

@@ -75,3 +75,49 @@ def test_a_fastvideo_without_a_seam_is_a_runtime_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"needs fastvideo\.registry\._CONFIG_REGISTRY") as raised:
         adapter.check()
     assert isinstance(raised.value, adapter.IncompatibleFastVideo)
+
+
+def test_one_line_of_an_error_is_first_lines_everywhere_and_an_empty_message_names_its_type(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Every message that quotes an error quotes `first_line(exc)` (one definition); an error with no message (an
+    `OSError()` from a loader, say) is named by its type, never an IndexError of its own."""
+    import re
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLWan
+
+    from fastvideo_pan2_ext import decode
+    from fastvideo_pan2_ext.vae_kernel.errors import first_line
+
+    assert (first_line(OSError()), first_line(ValueError(" \n")), first_line(RuntimeError("a\nb"), with_type=True)) == \
+        ("OSError", "ValueError", "RuntimeError: a")
+    repo = Path(__file__).resolve().parent.parent
+    spelled = [f"{path.relative_to(repo)}:{n}" for room in ("fastvideo_pan2_ext", "configs", "attention", "vae_kernel")
+               for path in (repo / room).rglob("*.py") if path.name != "errors.py"
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"str\(\w+\)(\.strip\(\))?\.splitlines\(\)", line)]
+    assert spelled == [], "quote an error with vae_kernel.errors.first_line"
+
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    (vae / "config.json").write_text('{"_class_name": "AutoencoderKLWan"}')
+    (vae / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    torch.save(torch.zeros(1, 48, 2, 4, 6), tmp_path / "z.pt")
+
+    def empty(*args, **kwargs):
+        raise OSError()
+
+    monkeypatch.setattr(AutoencoderKLWan, "from_pretrained", empty)
+    with pytest.raises(SystemExit) as exited:
+        decode.main([str(tmp_path / "z.pt"), "--vae", str(vae)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"{decode.PROG}: error: --vae {vae}: cannot load it: "
+                                                            "OSError"]
+
+
+def test_float8_weights_are_a_value_error_not_a_crash(wan22_state_dict):
+    """No arithmetic of torch's takes float8 (its `isfinite` included): such weights are refused by name."""
+    float8 = {name: tensor.to(torch.float8_e4m3fn) for name, tensor in wan22_state_dict.items()}
+    with pytest.raises(ValueError, match=r"is torch\.float8_e4m3fn; the weights must be float32, bfloat16, float16 or "
+                                         r"float64$"):
+        WanVAEDecoder(float8, device="cpu")

@@ -1,11 +1,12 @@
 """The memory planner's model of the CPU decode (`planning.memory`): `LiveBytes` counts what a decode allocates (not
-the weights it reads through views), checked against torch's own CPU allocator; the dry op table holds what each
-portable op materialises, in both weight layouts (as prepared, and the CPU's compute layout), on either kind of CPU
-(fp32 or AMX-BF16 compute)."""
+the weights it reads through views), checked against torch's own CPU allocator, which also holds, inside one op call
+at a time, the buffers of oneDNN's kernels that no tensor shows (measured per call: an AMX CPU's are larger); the dry
+op table holds what each portable op materialises, in both weight layouts (as prepared, and the CPU's compute
+layout), on either kind of CPU (fp32 or AMX-BF16 compute)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
 import pytest
 import torch
@@ -106,34 +107,109 @@ def test_dry_norm_attention_shortcut_and_unpatchify_hold_what_the_portable_ops_a
     assert real > 0 and real <= dry <= real + 2 * 20 * 20 * 4 * 1.05, (real, dry)
 
 
-def _allocator_peak(run, tmp_path) -> int:
+def _allocator_peak(run) -> int:
     """The most bytes torch's CPU allocator held during `run()` beyond what it held before, from torch.profiler's
-    memory events (independent of `LiveBytes`)."""
+    memory events (independent of `LiveBytes`; 0 where it allocated nothing)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    prof.export_chrome_trace(str(tmp_path / "trace.json"))
-    trace = json.loads((tmp_path / "trace.json").read_text())
-    memory = sorted((e for e in trace["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    before = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in memory) - before
+    events, memory = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.name == "[memory]":
+            memory.append((event.start_time_ns, event.extra_fields.total_allocated, event.extra_fields.alloc_size))
+    if not memory:
+        return 0
+    memory.sort()
+    before = memory[0][1] - memory[0][2]
+    return max(total for _, total, _ in memory) - before
+
+
+_OPS = ("conv3d", "rms_norm_silu", "upsample2x_conv3x3", "attention", "dup_up_add", "unpatchify_clamp")
+
+
+def _held_inside_one_call(decoder: WanVAEDecoder, z: torch.Tensor) -> int:
+    """The most bytes torch's CPU allocator holds inside one op call of decoding `z` beyond the tensors the call's
+    torch ops make (what `LiveBytes`, and so the replay, counts): oneDNN's scratchpad and reorder buffers inside a conv
+    call, which no tensor shows. Each distinct call of the decode (its op, and its arguments' shapes, dtypes and
+    strides) is run again alone, on copies of its activations and the decoder's own (prepacked) weights."""
+    table, weights, calls = decoder.ops, {id(w) for w in decoder.weights.values()}, {}
+
+    def recorded(name):
+        op = getattr(table, name)
+
+        def record(*args, **kwargs):
+            def copy(a):
+                return a.clone() if isinstance(a, torch.Tensor) and id(a) not in weights else a
+
+            key = (name, *((tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a
+                           for a in (*args, *kwargs.values())), *kwargs)
+            if key not in calls:
+                calls[key] = (op, [copy(a) for a in args], {k: copy(v) for k, v in kwargs.items()})
+            return op(*args, **kwargs)
+
+        return record
+
+    decoder.ops = dataclasses.replace(table, **{name: recorded(name) for name in _OPS})
+    try:
+        decoder.decode(z)
+    finally:
+        decoder.ops = table
+    held = 0
+    for op, args, kwargs in calls.values():
+        with LiveBytes() as tensors:
+            allocated = _allocator_peak(lambda: op(*args, **kwargs))
+        held = max(held, allocated - tensors.peak)
+    return held
+
+
+REPLAY_TOLERANCE = 0.02  # the replay against the tensors a real decode makes (`LiveBytes`), either way
 
 
 @pytest.mark.parametrize("tile_rows", [None, 2])
-def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, tmp_path, cpu_compute):
+def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, cpu_compute):
     """What the planner replays is what torch's allocator really held for the decode (beyond the returned video),
-    with the weights in the CPU compute layout."""
+    with the weights in the CPU compute layout, but for the buffers oneDNN holds inside one conv call: at most one
+    call's at a time, whose size is the kernel's (per thread, larger for an AMX CPU's tile kernels than for AVX-512's),
+    not a fraction of the decode's. In this tiny decode (a 2 MB peak) an AMX CPU's is 5.4% of the peak; in a real one
+    it is lost in the rounding."""
     decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
     convs = [w for name, w in decoder.weights.items() if name.endswith(".weight") and name != "post_quant_conv.weight"]
     assert ops.TORCH_OPS.cpu_compute_layout and all(w.dtype == cpu_compute for w in convs)
     z = latents((1, 8, 3, 7, 2), seed=7)
     video_bytes = 2 * torch.Size(decoder.output_shape(z)).numel()
     decoder.decode(z)  # the first decode's one-off allocations (oneDNN's caches) are not the decode's working memory
-    allocated = _allocator_peak(lambda: decoder.decode(z), tmp_path) - video_bytes
+    allocated = _allocator_peak(lambda: decoder.decode(z)) - video_bytes
     estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows)
-    # The replay counts the tensors the ops make, not oneDNN's scratch inside a conv call: on a CPU computing in fp32,
-    # whose convs run one small row block per call, that scratch is 7% of this tiny decode's peak (measured).
-    low = 0.92 if cpu_compute == torch.float32 else 0.95
-    assert low * allocated <= estimate <= 1.05 * allocated, (estimate, allocated)
+    inside = _held_inside_one_call(decoder, z)
+    # The allocator holds the tensors (the replay's, to its tolerance) and, at most, one call's buffers besides.
+    assert estimate <= (1 + REPLAY_TOLERANCE) * allocated, (estimate, allocated)
+    assert allocated <= estimate / (1 - REPLAY_TOLERANCE) + inside, (estimate, allocated, inside)
+
+
+def test_buffers_a_conv_call_holds_beyond_its_tensors_are_what_the_bound_allows(wan22_state_dict, amx_bf16_cpu,
+                                                                                monkeypatch):
+    """An AMX CPU's conv kernels hold buffers inside each call that no tensor shows, as this stand-in does (160 KB
+    a call, 8% of this tiny decode's peak: a fixed fraction of the peak cannot bound it): `_held_inside_one_call`
+    sees them, and the decode's allocator peak is within the replay plus them."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    conv3d = ops.TORCH_OPS.conv3d
+
+    def conv3d_with_buffers(*args, **kwargs):
+        with _disable_current_modes():  # allocated as oneDNN allocates: through torch's allocator, no tensor op
+            buffers = torch.zeros(160 * 1024, dtype=torch.uint8)
+        conv3d(*args, **kwargs)
+        del buffers
+
+    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch")
+    monkeypatch.setattr(decoder, "ops", dataclasses.replace(decoder.ops, conv3d=conv3d_with_buffers))
+    z = latents((1, 8, 3, 7, 2), seed=7)
+    decoder.decode(z)
+    allocated = _allocator_peak(lambda: decoder.decode(z)) - 2 * torch.Size(decoder.output_shape(z)).numel()
+    estimate, inside = decoder.peak_bytes(z.shape), _held_inside_one_call(decoder, z)
+    assert inside >= 160 * 1024 and estimate < 0.95 * allocated, (estimate, allocated, inside)
+    assert allocated <= estimate / (1 - REPLAY_TOLERANCE) + inside, (estimate, allocated, inside)
 
 
 @pytest.mark.parametrize("frames, tile_rows, stream", [(3, None, False), (3, 2, False), (3, None, True),
@@ -152,4 +228,4 @@ def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, fram
             returned = decoder.decode(z).nbytes
     estimate = decoder.peak_bytes(z.shape, tile_rows=tile_rows, stream=stream)
     measured = tracker.peak - returned
-    assert 0.98 * measured <= estimate <= 1.02 * measured, (estimate, measured)
+    assert (1 - REPLAY_TOLERANCE) * measured <= estimate <= (1 + REPLAY_TOLERANCE) * measured, (estimate, measured)

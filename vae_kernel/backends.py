@@ -30,6 +30,15 @@ def _winograd_layers(conv_algorithm: str, device: torch.device) -> bool | frozen
     return MEASURED_WINOGRAD_LAYERS.get(torch.cuda.get_device_name(device), False)
 
 
+def check_gpu_for(backend, label: str = "backend") -> None:
+    """ValueError when `backend` (called `label`) is "cuda", the compiled kernels on a GPU, and torch sees no GPU
+    here: refused where it is given, before any model loads (a model on the CPU may still move to a GPU later; whether
+    there is one is what can be known now)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{label}='cuda' runs the compiled kernels on a GPU, but torch sees none here "
+                         f"(torch.cuda.is_available() is False): set {label} to 'auto' or 'torch'")
+
+
 def select_ops(backend, device: torch.device, conv_algorithm: str = "auto") -> Ops:
     """The op table for `backend` on `device`, its 3x3 convs by `conv_algorithm`.
 

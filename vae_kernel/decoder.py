@@ -250,7 +250,7 @@ class WanVAEDecoder:
             plan = checked_plan()
         else:
             planned = agree(self.pg, self._comm_device, lambda: DecodeRequest.of(
-                latents, self.frames_per_pass, checked_plan().frames_per_pass, self.config))
+                latents, self.frames_per_pass, checked_plan().frames_per_pass, self.config, self._weights.checksum()))
             plan = memory.smallest(DecodePlan(fpp, None) for fpp in planned)
         self.last_plan = plan
         return plan, self._rows(latents.shape[3])

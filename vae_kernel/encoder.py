@@ -235,7 +235,7 @@ class WanVAEEncoder:
             planned = checked_plan().frames_per_pass
             # The ranks must also run the same exchanges: the same activations and reuse (ints: hashed alike by all).
             setup = (self.config, self.dtype.itemsize, self.options.reuse_steady)
-            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, setup)
+            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, setup, self._weights.checksum())
 
         if self.pg is None:
             plan = checked_plan()

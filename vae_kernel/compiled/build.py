@@ -3,7 +3,8 @@
 The layout under the root (`$WAN22_VAE_DECODE_BUILD_DIR`, default `~/.cache/fastvideo/wan22_vae_decode`):
 
     cache/<name>-<key>/        published builds: `<name>.so` + `manifest.json` (sha256 of every file, the key inputs)
-    build/<name>-<key>-<pid>-<uuid>/   one private ninja build directory per building process
+    build/<name>-<key>-<pid>-<uuid>/   one private ninja build directory per building process, and its `.lock`
+                                (flock held while it builds: a dead builder's folder is removed by the next build)
     bad/                        entries that failed their manifest check, moved aside for inspection
     locks/<name>-<key>.lock     flock; only saves duplicate work
     verdicts/                   the self-checks' verdicts (`verification.py`)
@@ -98,18 +99,37 @@ def check_parent(path: Path, st: os.stat_result, child_uid: int) -> None:
 _FOLDER = os.O_PATH | os.O_DIRECTORY  # a handle to walk through and fstat: needs search permission only
 
 
+def _unopenable(path: Path, exc: OSError) -> UntrustedCache:
+    # Only another user's file or folder (or root's, copied in) can refuse this user: not this user's only.
+    return UntrustedCache(f"{path} cannot be opened by this user ({exc.strerror}): another user's")
+
+
 def _open_private(dir_fd: int, name: str, path: Path, flags: int) -> int:
     """`name` in the open folder `dir_fd` (it is `path`), opened without following a link and checked
-    (`check_private`); UntrustedCache for a link or a wrong kind, FileNotFoundError where it is missing."""
+    (`check_private`); UntrustedCache for a link, a wrong kind or one this user cannot open, FileNotFoundError where
+    it is missing. A file is first taken by an O_PATH handle, which opens nothing: only a regular file of this
+    user's is then opened (a FIFO would block the open, a device act on it)."""
+    folder = bool(flags & os.O_DIRECTORY)
     try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, (flags if folder else os.O_PATH) | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            kind = "folder" if flags & os.O_DIRECTORY else "file"
-            raise UntrustedCache(f"{path} is a symbolic link or not a {kind}") from None
+            raise UntrustedCache(f"{path} is a symbolic link or not a {'folder' if folder else 'file'}") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise _unopenable(path, exc) from None
         raise
     try:
-        check_private(path, os.fstat(fd))
+        st = os.fstat(fd)
+        if not folder and not stat.S_ISREG(st.st_mode):  # O_PATH with O_NOFOLLOW takes a link itself
+            raise UntrustedCache(f"{path} is a symbolic link or not a file")
+        check_private(path, st)
+        if not folder and not flags & os.O_PATH:
+            try:  # the very inode checked, through its handle (whatever `name` is now)
+                opened = os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+            except PermissionError as exc:
+                raise _unopenable(path, exc) from None
+            os.close(fd)
+            fd = opened
     except BaseException:
         os.close(fd)
         raise
@@ -386,6 +406,8 @@ def open_entry(cache_fd: int, entry: Path, name: str, key: str) -> int | str | N
 
 
 def _move_aside(root: Path, entry: Path, reason: str) -> None:
+    """Move the bad `entry` into `bad/`; UntrustedCache where this user cannot (another user's folder: the root then
+    holds what this user does not control, and the process builds privately)."""
     bad = root / "bad" / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     logger.warning("build cache entry %s is bad (%s); moving it to %s and rebuilding", entry, reason, bad)
     try:
@@ -394,8 +416,9 @@ def _move_aside(root: Path, entry: Path, reason: str) -> None:
     except FileNotFoundError:
         pass  # another process moved it first
     except OSError as exc:
-        if exc.errno not in (errno.ENOENT,):
-            raise
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UntrustedCache(f"{entry} is bad ({reason}) and cannot be moved aside ({exc.strerror})") from None
+        raise
 
 
 _kept_fds: list[int] = []  # the descriptors loaded modules came from, open for the process's life
@@ -634,14 +657,57 @@ def _load_or_build(root: Path, spec: ExtensionSpec, key: str, inputs: dict, lock
 
 def _build_and_publish(root: Path, entry: Path, spec: ExtensionSpec, key: str, inputs: dict,
                        timeout_s: float | None) -> None:
-    private = private_folder(root, "build") / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    private.mkdir(mode=0o700)
+    builds = private_folder(root, "build")
+    remove_dead_builds(builds)
+    private = builds / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # The folder's lock, made and held before the folder exists, for as long as this build lives (the kernel drops it
+    # when this process dies, even by SIGKILL): a folder whose lock is free is a dead builder's (`remove_dead_builds`).
+    lock_fd = os.open(_build_lock_path(private), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
     try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        private.mkdir(mode=0o700)
         start = time.monotonic()
         built = _timed_build(spec, private, timeout_s)
         _publish(root, entry, built, spec, key, inputs, time.monotonic() - start)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(_build_lock_path(private))
+        os.close(lock_fd)
+
+
+def _build_lock_path(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".lock")
+
+
+def remove_dead_builds(builds: Path) -> list[Path]:
+    """Remove the build folders under `builds` (private: `private_folder`) whose builder died mid-build, each told by
+    its lock (`_build_and_publish`): a lock no process holds. A live builder's lock cannot be taken, so its folder
+    stays; a folder without a lock (made before locks were) is left as it is. Returns the folders removed."""
+    removed = []
+    for lock_path in sorted(builds.glob("*.lock")):
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone (its builder finished), or not a plain file: not ours to judge
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live builder's
+            folder = lock_path.with_name(lock_path.name[:-len(".lock")])
+            if not os.path.lexists(folder):  # a builder between its lock and its folder waits for this one's
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
+            removed.append(folder)
+            logger.info("removed %s, the build folder of a builder that died mid-build", folder)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _timed_build(spec: ExtensionSpec, build_dir: Path, timeout_s: float | None) -> Path:

@@ -20,6 +20,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..errors import first_line
 from ..planning.memory import DecodePlan, smallest
 from ..portable.ops import is_out_of_memory
 from .bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows
@@ -38,14 +39,6 @@ class Report:
     status: int  # OK, REJECTED, or a decode attempt's status (`bands`: OUT_OF_MEMORY, FAILED)
     values: tuple[float, ...]
     line: str  # the failure's first line ("" when none)
-
-
-def first_line(exc: BaseException, with_type: bool = True) -> str:
-    """What the other ranks learn of an error: the first line of its message, after its type (`with_type`)."""
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {lines[0]}" if with_type else lines[0]
 
 
 def gather(pg, comm_device: torch.device, status: int, values: Sequence[float], line: str = "") -> list[Report]:
@@ -79,6 +72,7 @@ def joined(pg, comm_device: torch.device, step: Callable[[], Sequence[float]], w
         values, own, status = tuple(step()), None, OK
     except BaseException as exc:  # noqa: BLE001 - any error, an interrupt included, is re-raised below
         values, own, status = (0.0,) * width, exc, REJECTED if isinstance(exc, rejects) else FAILED
+    # What the other ranks learn of an error: its first line, after its type unless it rejected the input.
     reports = gather(pg, comm_device, status, values, "" if own is None else first_line(own, status != REJECTED))
     if own is not None:
         raise own
@@ -97,29 +91,36 @@ class DecodeRequest:
     frames_per_pass: int  # the option: an int, or 0 for "auto"
     architecture: int  # a fingerprint of the decoder's (encoder's) config
     checksum: float  # sum |input|: the same latents (video) on every rank
+    weights: float  # the prepared weights' checksum (`weights.DecoderWeights.checksum`): the same VAE on every rank
     planned_frames_per_pass: int  # what this rank's plan chose (the group runs `memory.smallest`)
 
-    WIDTH = 10  # numbers in a request
+    WIDTH = 11  # numbers in a request
 
     @classmethod
-    def of(cls, latents: torch.Tensor, frames_per_pass: int | str, planned: int, config) -> "DecodeRequest":
+    def of(cls, latents: torch.Tensor, frames_per_pass: int | str, planned: int, config,
+           weights: float) -> "DecodeRequest":
         # Summed frame by frame: a video's float64 copy would be 2x its size.
         checksum = sum(float(frame.detach().double().abs().sum()) for frame in latents.unbind(2))
         return cls(tuple(latents.shape), _DTYPES.index(latents.dtype),
                    frames_per_pass if isinstance(frames_per_pass, int) else 0, hash(config) % (1 << 50), checksum,
-                   planned)
+                   weights, planned)
 
     def values(self) -> list[float]:
-        return [*self.shape, self.dtype_index, self.frames_per_pass, self.architecture, self.checksum,
+        return [*self.shape, self.dtype_index, self.frames_per_pass, self.architecture, self.checksum, self.weights,
                 self.planned_frames_per_pass]
 
     @classmethod
     def from_values(cls, v: Sequence[float]) -> "DecodeRequest":
-        return cls(tuple(int(x) for x in v[:5]), int(v[5]), int(v[6]), int(v[7]), v[8], int(v[9]))
+        return cls(tuple(int(x) for x in v[:5]), int(v[5]), int(v[6]), int(v[7]), v[8], v[9], int(v[10]))
 
     def same_decode(self, other: "DecodeRequest") -> bool:
-        return (dataclasses.astuple(self)[:-2] == dataclasses.astuple(other)[:-2]
+        """The same input and plan options (the weights aside: `same_weights`)."""
+        return (dataclasses.astuple(self)[:-3] == dataclasses.astuple(other)[:-3]
                 and math.isclose(self.checksum, other.checksum, rel_tol=1e-9, abs_tol=1e-9))
+
+    def same_weights(self, other: "DecodeRequest") -> bool:
+        # A checksum's float64 sums may round differently on different devices; a weight changed changes it far more.
+        return math.isclose(self.weights, other.weights, rel_tol=1e-9, abs_tol=1e-9)
 
     def __str__(self) -> str:
         option = self.frames_per_pass or "'auto'"
@@ -134,10 +135,10 @@ def supported_dtype(dtype: torch.dtype) -> bool:
 def agree(pg, comm_device: torch.device, propose: Callable[[], DecodeRequest], work: str = "decode") -> list[int]:
     """The agreement before a decode (an encode): every rank's request (`propose()`: this rank's; it checks the input
     and raises ValueError when it is bad). A rank whose `propose` raised anything raises it, and every other rank a
-    ValueError (bad input) or RuntimeError naming that rank and the error's first line; ranks that disagree raise
-    ValueError on every rank. Returns every rank's planned frames per pass, in group rank order (the group runs the
-    smallest plan: `planning.memory.smallest`). Every rank decides from the same gathered requests, so all decide
-    alike."""
+    ValueError (bad input) or RuntimeError naming that rank and the error's first line; ranks that disagree (about
+    the input, or hold different weights) raise ValueError on every rank. Returns every rank's planned frames per
+    pass, in group rank order (the group runs the smallest plan: `planning.memory.smallest`). Every rank decides from
+    the same gathered requests, so all decide alike."""
     values = joined(pg, comm_device, lambda: propose().values(), DecodeRequest.WIDTH, f"before {work[:-1]}ing",
                     rejects=(ValueError,), work=work)
     requests = [DecodeRequest.from_values(v) for v in values]
@@ -145,6 +146,10 @@ def agree(pg, comm_device: torch.device, propose: Callable[[], DecodeRequest], w
         if not theirs.same_decode(requests[0]):
             raise ValueError(f"ranks disagree about the {work}: rank {rank} has {theirs}; rank 0 has {requests[0]}; "
                              f"every rank must pass the same {_INPUT[work]}")
+        if not theirs.same_weights(requests[0]):
+            raise ValueError(f"ranks disagree about the {work}'s weights: rank {rank}'s {work}r weights have checksum "
+                             f"{theirs.weights:.12g}, rank 0's {requests[0].weights:.12g}; every rank must hold the "
+                             "same VAE weights")
     return [request.planned_frames_per_pass for request in requests]
 
 
@@ -174,7 +179,7 @@ def settle(rows: LocalRows, status: int, own: BaseException | None, yielded: boo
            work: str = "decode") -> None:
     """Every rank's own status of the attempt (OK on a rank that only heard of a failure), the idle ranks' too,
     with the first line of its failure (`own`'s, or `line`): AttemptFailed on every rank when any failed."""
-    line = first_line(own) if own is not None else line
+    line = first_line(own, with_type=True) if own is not None else line
     if not isinstance(rows, RankRows):
         if status != OK:
             raise AttemptFailed(status, [0], own if status == FAILED else None, line, yielded, None)

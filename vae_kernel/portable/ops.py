@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..errors import first_line
+
 logger = logging.getLogger(__name__)
 
 RMS_EPS = 1e-12  # F.normalize's eps, as Wan's RMS_norm uses it
@@ -203,7 +205,7 @@ def _private_onednn(name: str, *args) -> torch.Tensor | None:
             raise
         _private_onednn_usable = False
         _PACKED.clear()
-        reason = " ".join([type(exc).__name__ + ":", *str(exc).strip().splitlines()[:1]])
+        reason = first_line(exc, with_type=True)
         logger.warning("torch %s: torch.ops.mkldnn.%s is missing or refuses its arguments (%s); the CPU convs run "
                        "through torch.mkldnn_convolution from now on, reordering their weights on every call",
                        torch.__version__, name, reason)

@@ -127,12 +127,13 @@ def encoder_part(dtype: torch.dtype) -> WeightPart:
 CPU_CHANNELS_FIRST_MIN = 512
 
 
-def to_compute_layout(prepared: torch.Tensor) -> torch.Tensor:
+def to_compute_layout(prepared: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """A prepared tensor as the CPU conv computes with it (see the module docstring): where the CPU computes in fp32
     (bf16 weights on a CPU without AMX-BF16; the encoder's fp32 weights on any), fp32 holding the same values and
-    wide 3x3 conv weights re-laid channels first; else as prepared."""
+    wide 3x3 conv weights re-laid channels first; else as prepared. `device`: the CPU it is for (default: the
+    tensor's; a meta tensor stands for one there, `meta_prepared`)."""
     if prepared.dtype not in (torch.bfloat16, torch.float32) or (
-            prepared.dtype == torch.bfloat16 and ops.compute_dtype(prepared.device) == torch.bfloat16):
+            prepared.dtype == torch.bfloat16 and ops.compute_dtype(device or prepared.device) == torch.bfloat16):
         return prepared
     wide = min(prepared.shape[0], prepared.shape[-1]) >= CPU_CHANNELS_FIRST_MIN
     if prepared.dim() == 5 and prepared.shape[2] == 3 and wide:
@@ -184,13 +185,20 @@ def _named(sd: dict[str, torch.Tensor], part: WeightPart = DECODER) -> tuple[Wan
 
 
 class WeightValuesError(ValueError):
-    """A weight whose values cannot be taken: not loaded (on the meta device) or not finite."""
+    """A weight whose values cannot be taken: not loaded (on the meta device), of a dtype not prepared from (float8:
+    no arithmetic on it here), or not finite."""
+
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the weights' dtypes prepared from
 
 
 def _check_values(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
         raise WeightValuesError(f"state_dict[{name!r}] is on the meta device: its values are not loaded (a module "
                                 "offloaded layer by layer, e.g. by accelerate's sequential CPU offload)")
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise WeightValuesError(f"state_dict[{name!r}] is {tensor.dtype}; the weights must be float32, bfloat16, "
+                                "float16 or float64")
     if not torch.isfinite(tensor).all():
         raise WeightValuesError(f"state_dict[{name!r}] has non-finite values")
 
@@ -242,6 +250,19 @@ def load(vae_or_state_dict, device: torch.device, cpu_compute_layout: bool = Tru
         return config, prepared
 
 
+def meta_prepared(vae: torch.nn.Module, device: torch.device, cpu_compute_layout: bool = True,
+                  part: WeightPart = DECODER) -> tuple[WanVAEConfig, dict[str, torch.Tensor]]:
+    """What `load` would prepare on `device` from `vae`'s weights, as meta tensors (shapes, dtypes and layouts: all a
+    memory plan reads), from a VAE built on the meta device from its config alone: a command line plans with them
+    before any weights load."""
+    config, tensors = _named(state_dict_of(vae, part), part)
+    prepared = {}
+    for name, tensor in tensors.items():
+        held = part.prepare(name, tensor.to("meta"))
+        prepared[name] = to_compute_layout(held, device) if device.type == "cpu" and cpu_compute_layout else held
+    return config, prepared
+
+
 def _prepares_to(part: WeightPart, name: str, source: torch.Tensor, held: torch.Tensor) -> bool:
     """Whether preparing `source` gives `held`, told without preparing it where that is a pure re-layout: a conv
     weight the part lays out channels last without changing its dtype, held on its device in that dtype (the compute
@@ -275,6 +296,15 @@ class DecoderWeights:
         self._module = None if module is None else weakref.ref(module)
         self.device, self._cpu_compute_layout, self.part = device, cpu_compute_layout, part
         self.config, self.tensors = load(checked_weights, device, cpu_compute_layout, part)
+        self._checksum: float | None = None  # of `tensors`, made when asked; dropped when they change
+
+    def checksum(self) -> float:
+        """A checksum of the prepared weights' values (the ranks of a group compare theirs): each tensor's sum,
+        weighted by its place, and its sum of magnitudes, in float64; made again after the weights change."""
+        if self._checksum is None:
+            self._checksum = sum(place * float(t.double().sum()) + float(t.double().abs().sum())
+                                 for place, t in enumerate(self.tensors.values(), start=1))
+        return self._checksum
 
     @property
     def follows_module(self) -> bool:
@@ -295,6 +325,7 @@ class DecoderWeights:
             raise ValueError("this decoder was made from a state dict: its prepared weights are the only copy it has, "
                              "so they cannot be released")
         self.tensors.clear()
+        self._checksum = None
 
     def sync(self) -> bool:
         """Bring the prepared weights in step with the module's current ones (ValueError naming a weight the decoder
@@ -323,6 +354,8 @@ class DecoderWeights:
                 _prepack(name, fresh, self.device, self._cpu_compute_layout)
                 self.tensors[name] = fresh  # a new tensor (the old one, and what was derived from it, die with it)
                 changed = True  # (a replaced name keeps its place; after a clear they come back in execution order)
+        if changed:
+            self._checksum = None
         return changed
 
 
