@@ -20,10 +20,11 @@ architecture read from the weights (diffusers converts the Wan2.1 layout only).
 
 Every check (the file, the VAE against the latents, the options, the outputs) runs before any decoding; a failure
 is one line `python -m fastvideo_pan2_ext.decode: error: ...` and exit code 2, and nothing is created: an existing
-video is replaced only with `--overwrite` (`-y`), a missing output folder is an error. Each sample of the batch is
-decoded by `WanVAEDecoder.decode_iter` and streamed to its own mp4 (`video_io`: the whole video is never in memory;
-written under a partial name, renamed when complete), with the decoder's progress bar. SIGINT and SIGTERM, at any
-moment, end the command with one line and 130 / 143, leaving no partial file.
+video is replaced only with `--overwrite` (`-y`), a link never (nor written through), a missing output folder is
+an error. Each sample of the batch is decoded by `WanVAEDecoder.decode_iter` and streamed to its own mp4 (`video_io`:
+the whole video is never in memory; written in a private folder of a random name beside it, renamed when complete),
+with the decoder's progress bar. SIGINT and SIGTERM, at any moment, end the command with one line and 130 / 143,
+leaving no partial file.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import torch  # noqa: E402
 from fastvideo_pan2_ext import latents_file
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.video_io import check_writable, write_video_stream
 
@@ -76,28 +78,45 @@ class DecodeCommandError(ValueError):
 
 
 def _bare_tensor(path: Path, is_safetensors: bool) -> torch.Tensor:
-    """The one latents tensor of a safetensors or `torch.save` file (chosen by the file's content, not its name)."""
+    """The one latents tensor of a safetensors or `torch.save` file (chosen by the file's content, not its name),
+    its declared shape and dtype checked before any of its values is read (`latents_file.check_declared`): from a
+    safetensors header, or a `torch.save` file mapped, not read."""
+    from safetensors import safe_open
+
     try:
         if is_safetensors:
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:  # the header alone
+                tensors = dict.fromkeys(f.keys())
         else:
-            loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-            tensors = loaded if isinstance(loaded, dict) else {"": loaded}
+            tensors = _torch_load(path)
+            tensors = tensors if isinstance(tensors, dict) else {"": tensors}
     except Exception:  # safetensors, pickle, zip and torch each raise their own types for a file that is not theirs
         raise DecodeCommandError(f"{path}: not a latents file: neither safetensors nor torch.save holding a tensor "
                                  "(is it the right file?)") from None
     if len(tensors) == 1:
-        (tensor,) = tensors.values()
+        (name,) = tensors
     elif "latents" in tensors:
-        tensor = tensors["latents"]
+        name = "latents"
     else:
         raise DecodeCommandError(f"{path}: holds {len(tensors)} entries ({', '.join(map(str, list(tensors)[:4]))}); "
                                  "expected one latents tensor")
+    if is_safetensors:
+        with safe_open(str(path), framework="pt") as f:
+            return latents_file.declared_tensor(f, name, path)
+    tensor = tensors[name]
     if not isinstance(tensor, torch.Tensor):
         raise DecodeCommandError(f"{path}: holds a {type(tensor).__name__}, not a latents tensor")
+    latents_file.check_declared(path, tensor.shape, tensor.dtype)
     return tensor
+
+
+def _torch_load(path: Path):
+    """A `torch.save` file's content (weights only: no code runs), its tensors mapped from the file, not read (a
+    file of the old, non-zip format has no mapping: read)."""
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
 def read_latents(path, denormalized: bool) -> latents_file.KeptLatents | torch.Tensor:
@@ -115,11 +134,7 @@ def read_latents(path, denormalized: bool) -> latents_file.KeptLatents | torch.T
                 raise DecodeCommandError(f"{path}: a kept-latents file says itself whether its latents are "
                                          "normalized; drop --denormalized")
             return latents_file.read(path)
-    tensor = _bare_tensor(path, is_safetensors)
-    if tensor.dim() != 5 or not tensor.is_floating_point() or min(tensor.shape) < 1:
-        raise DecodeCommandError(f"{path}: holds a {tensor.dtype} tensor of shape {list(tensor.shape)}; expected "
-                                 "float latents [B, z_dim, T, h, w]")
-    return tensor
+    return _bare_tensor(path, is_safetensors)
 
 
 def _looks_like_safetensors(path: Path) -> bool:
@@ -141,7 +156,7 @@ def _single_file_vae(path: Path):
     try:
         checkpoint = load_single_file_checkpoint(str(path), local_files_only=True)
     except Exception as exc:  # safetensors / torch.load errors for a file that is not a checkpoint
-        raise DecodeCommandError(f"--vae {path}: not a VAE checkpoint ({str(exc).splitlines()[0]})") from None
+        raise DecodeCommandError(f"--vae {path}: not a VAE checkpoint ({first_line(exc)})") from None
     if ORIGINAL_WAN_VAE_KEY not in checkpoint:
         raise DecodeCommandError(f"--vae {path}: not an original-format Wan VAE checkpoint (no {ORIGINAL_WAN_VAE_KEY!r}"
                                  "); give a diffusers VAE folder or a model folder with vae/")
@@ -176,7 +191,7 @@ def _hub_vae(hub_id: str, revision: str | None, dtype: torch.dtype):
     except (OSError, ValueError, RuntimeError) as exc:
         at = f" at revision {revision}" if revision else ""
         raise DecodeCommandError(f"--vae {hub_id}: no such file or folder, and no hub checkpoint with a Wan VAE{at} "
-                                 f"({str(exc).splitlines()[0]})") from None
+                                 f"({first_line(exc)})") from None
 
 
 @contextlib.contextmanager
@@ -224,7 +239,7 @@ def _load_vae(source: str, path: Path, dtype: torch.dtype, revision: str | None)
         try:
             return AutoencoderKLWan.from_pretrained(str(folder), local_files_only=True, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise DecodeCommandError(f"--vae {path}: cannot load it: {str(exc).splitlines()[0]}") from None
+            raise DecodeCommandError(f"--vae {path}: cannot load it: {first_line(exc)}") from None
     if path.is_file():
         return _single_file_vae(path).to(dtype)
     if _is_hub_id(source):
@@ -329,6 +344,9 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
             raise DecodeCommandError(f"-o {path}: the folder {folder} {what} (create it first)")
+        if path.is_symlink():  # even with -y: whoever put the link there, the video neither follows nor replaces it
+            raise DecodeCommandError(f"-o {path}: a symbolic link; a video is never written through one (name the "
+                                     f"file itself)")
         if path.is_dir():
             raise DecodeCommandError(f"-o {path}: a folder of that name is in the way")
         if path.exists() and not overwrite:
@@ -407,7 +425,7 @@ def _run(argv) -> int:
         try:
             decoder, z, paths, fps = prepare(args)
         except (ValueError, OSError) as exc:
-            _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            _fail(first_line(exc))
         for b, path in enumerate(paths):
             frames = write_video_stream(decoder.decode_iter(z[b:b + 1]), path, fps)
             written.append(path)
@@ -416,7 +434,7 @@ def _run(argv) -> int:
         code, word = STOPPED[exc.signum if isinstance(exc, _Stopped) else signal.SIGINT]
         _fail(f"{word}; {_what_was_written(written)}", code)
     except Exception as exc:  # a decode that fails after the checks: one line, no partial file
-        _fail(f"the decode failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+        _fail(f"the decode failed ({first_line(exc, with_type=True)}); "
               f"{_what_was_written(written)}", 1)
     return 0
 

@@ -41,6 +41,9 @@ import torch
 
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, video_frames
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
+from fastvideo_pan2_ext.vae_kernel.distributed.agreement import supported_dtype
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
+from fastvideo_pan2_ext.vae_kernel.planning.memory import format_bytes
 
 FORMAT = "fastvideo_pan2_ext.latents"
 FORMAT_VERSION = "2"
@@ -103,14 +106,70 @@ def path_for(output) -> Path:
     return output.with_name(output.stem + SUFFIX)
 
 
+LATENTS_DTYPES = "float32, bfloat16, float16 or float64"  # the decoder's (`agreement.supported_dtype`), in messages
+
+
+def memory_left() -> int | None:
+    """Bytes this process may still allocate, the least of what is known (None where nothing is): the host's
+    available memory, its cgroup's room (v2 or v1) and its address-space limit (RLIMIT_AS) less what it maps."""
+    import resource
+
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+
+    room = []
+    meminfo = read("/proc/meminfo") or ""
+    room += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2, then v1
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit_text, usage_text = read(limit), read(usage)
+        if limit_text and usage_text and limit_text.strip().isdigit():
+            room.append(int(limit_text) - int(usage_text))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    status = read("/proc/self/status") or ""
+    mapped = [int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:")]
+    if soft != resource.RLIM_INFINITY and mapped:
+        room.append(soft - mapped[0])
+    return max(0, min(room)) if room else None
+
+
+def check_declared(where, shape, dtype) -> None:
+    """LatentsFileError naming `where` unless a tensor of `shape` and `dtype`, as a file declares them before any of
+    it is read, can be latents decoded here: [B, z_dim, T, h, w], every size >= 1, of a dtype the decoder takes, and
+    small enough for this process to hold with the float32 copy the decode makes of them (`memory_left`)."""
+    shape = list(shape)
+    if len(shape) != 5 or min(shape) < 1 or not (isinstance(dtype, torch.dtype) and supported_dtype(dtype)):
+        raise LatentsFileError(f"{where}: holds a {dtype} tensor of shape {shape}; expected float latents [B, z_dim, "
+                               f"T, h, w] of {LATENTS_DTYPES}")
+    needed, left = math.prod(shape) * (dtype.itemsize + 4), memory_left()
+    if left is not None and needed > left:
+        raise LatentsFileError(f"{where}: latents {shape} of {dtype} take {format_bytes(needed)} with their float32 "
+                               f"copy; this process can allocate {format_bytes(left)} more")
+
+
+def declared_tensor(f, name: str, where) -> torch.Tensor:
+    """The tensor `name` of the open safetensors file `f` (`safe_open`), read only after its declared shape and dtype
+    pass `check_declared` (from the header: a sparse file declaring terabytes is refused without reading it)."""
+    from safetensors import torch as safetensors_torch
+
+    declared = f.get_slice(name)
+    dtype = getattr(safetensors_torch, "_TYPES", {}).get(declared.get_dtype(), declared.get_dtype())
+    check_declared(where, declared.get_shape(), dtype)
+    return f.get_tensor(name)
+
+
 def _check(kept: KeptLatents, where: str) -> None:
     def fail(message):
         raise LatentsFileError(f"{where}: {message}")
 
     z = kept.latents
-    if not isinstance(z, torch.Tensor) or z.dim() != 5 or not z.is_floating_point() or min(z.shape) < 1:
-        fail(f"latents must be a float tensor [B, z_dim, T, h, w]; got "
-             f"{list(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__}")
+    if not isinstance(z, torch.Tensor) or z.dim() != 5 or not supported_dtype(z.dtype) or min(z.shape) < 1:
+        fail(f"latents must be a float tensor [B, z_dim, T, h, w] of {LATENTS_DTYPES}; got "
+             f"{f'{list(z.shape)} {z.dtype}' if isinstance(z, torch.Tensor) else type(z).__name__}")
     if not isinstance(kept.normalized, bool):
         fail(f"normalized must be a bool; got {kept.normalized!r}")
     if not isinstance(kept.vae, str) or not kept.vae:
@@ -177,7 +236,7 @@ def metadata_of(path) -> dict[str, str] | None:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata()
     except Exception as exc:  # safetensors raises its own error types for every malformed file
-        raise LatentsFileError(f"{path}: not a safetensors file ({str(exc).splitlines()[0] if str(exc) else exc})") \
+        raise LatentsFileError(f"{path}: not a safetensors file ({first_line(exc)})") \
             from None
 
 
@@ -204,7 +263,7 @@ def read(path) -> KeptLatents:
     with safe_open(str(path), framework="pt") as f:
         if list(f.keys()) != [TENSOR]:
             raise LatentsFileError(f"{path}: must hold exactly one tensor, {TENSOR!r}; holds {list(f.keys())}")
-        latents = f.get_tensor(TENSOR)
+        latents = declared_tensor(f, TENSOR, path)
     try:
         normalized = json.loads(metadata["normalized"])
         fps = float(metadata["fps"])

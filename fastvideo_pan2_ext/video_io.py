@@ -10,16 +10,21 @@ non-streamed save of the same frames. One file holds one video: a chunk of a sec
 `write_grid_stream(per_sample_chunks, path, fps)` writes a batch into one file laid out exactly as FastVideo's save
 lays one out (the samples side by side, `torchvision.utils.make_grid(..., nrow=6)`), reading the samples in lockstep.
 
-Every file is written beside its target under `partial_path(target)` and renamed into place only when complete: a
-failed or interrupted write leaves nothing at the target (and removes the partial file when it can; whoever runs the
-writer in another process can remove it too, by the same name).
+Every file is written beside its target in a `PartialFile` (a private folder of a random name holding the file) and
+renamed into place only when complete: a failed or interrupted write leaves nothing at the target (and removes the
+partial file when it can; the process that made the `PartialFile` can remove it too, `discard()`). No name this module
+writes can be predicted or planted, and no link is followed below the folder the caller gave (docs/design.md, "The
+streamed save and atomic output").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import os
+import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -70,39 +75,277 @@ def _items(chunks):
         yield sample, frame, chunk
 
 
-def check_writable(path) -> None:
-    """OSError (one line) unless a video can be written at `path`: its folder is created if missing, and a real file
-    is created and removed there (mode bits are not enough: root ignores them, read-only mounts do not)."""
-    folder = Path(path).parent
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # exclusive: never a planted name
+
+
+def _kind(name: str, dir_fd: int) -> int | None:
+    """The file type of `name` in the folder `dir_fd` (a link is a link), or None when nothing is there."""
+    try:
+        return stat.S_IFMT(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def open_folder(folder, root=None, create: bool = True) -> int:
+    """An open descriptor of `folder` (the caller closes it). The caller's own path is taken as given, links and all:
+    `root` when given (a server's output_dir), else `folder` itself (a user's -o folder). Every folder below `root`
+    is opened without following a link (made first where missing, when `create`): a link there, planted or not, is an
+    OSError naming it. Each folder is opened relative to the one above, so a folder swapped later is never used."""
+    folder = Path(os.path.abspath(folder))
+    if root is None:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        return os.open(folder, _DIR)
+    root = Path(os.path.abspath(root))
+    if folder != root and root not in folder.parents:
+        raise OSError(f"{folder} is not under {root}")
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, _DIR)
+    try:
+        here = root
+        for part in folder.relative_to(root).parts:
+            here = here / part
+            if create and _kind(part, fd) is None:
+                try:
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                except FileExistsError:  # made meanwhile: judged below like any other
+                    pass
+            if _kind(part, fd) == stat.S_IFLNK:
+                raise OSError(f"{here} is a symbolic link (below {root} only real folders are used)")
+            try:
+                inner = os.open(part, _DIR | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a link put there since the look
+                    raise OSError(f"{here} is a symbolic link (below {root} only real folders are used)") from None
+                raise
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_target(folder_fd: int, target: Path, prefix: str = "") -> None:
+    """OSError (`prefix` and why) unless `target` (in `folder_fd`) is free or a regular file (which a finished video
+    replaces)."""
+    kind = _kind(target.name, folder_fd)
+    if kind == stat.S_IFLNK:
+        raise OSError(f"{prefix}it is a symbolic link: a video is never written through one (remove it, or name the "
+                      f"file itself)")
+    if kind == stat.S_IFDIR:
+        raise OSError(f"{prefix}a folder of that name is in the way")
+    if kind not in (None, stat.S_IFREG):
+        raise OSError(f"{prefix}it is not a regular file")
+
+
+def _new_name(folder_fd: int, prefix: str, suffix: str, make) -> str:
+    """`make(name)` for a fresh random name (from `secrets`: nobody can guess it, so nobody can plant it); `make`
+    must fail with FileExistsError for a name in use."""
+    for _ in range(100):
+        name = f"{prefix}{secrets.token_hex(8)}{suffix}"
+        try:
+            make(name)
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free random name after 100 tries")
+
+
+def check_writable(path, root=None) -> None:
+    """OSError (one line) unless a video can be written at `path`: its folder is reached (below `root` without a
+    link, see `open_folder`; created if missing), `path` is not a link or a folder, and a real file is created and
+    removed there (mode bits are not enough: root ignores them, read-only mounts do not), under a random name."""
+    path = Path(os.path.abspath(path))
+    folder = path.parent
     blocking = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocking is not None and not blocking.is_dir():
         raise OSError(f"cannot write the video to {folder}: {blocking} is a file, not a folder")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".{Path(path).name}.probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd = open_folder(folder, root)
+        try:
+            _check_target(fd, path)
+            probe = _new_name(fd, f".{path.name}.probe-", "", lambda name: os.close(os.open(name, _NEW_FILE, 0o600,
+                                                                                          dir_fd=fd)))
+            os.unlink(probe, dir_fd=fd)
+        finally:
+            os.close(fd)
     except OSError as exc:  # ENOENT in an existing folder: a virtual file system such as /proc
+        if exc.strerror is None:  # ours: the line says it all
+            raise OSError(f"cannot write the video to {path}: {exc}") from None
         reason = "files cannot be created there" if exc.errno == errno.ENOENT and folder.is_dir() else exc.strerror
-        raise OSError(f"cannot write the video to {folder}: {reason or exc}") from None
+        raise OSError(f"cannot write the video to {folder}: {reason}") from None
 
 
-def partial_path(path) -> Path:
-    """Where a video bound for `path` is written until it is complete (beside it: the rename stays on one disk)."""
+@dataclasses.dataclass(frozen=True)
+class WrittenFile:
+    """A video this process moved into place: its path and the identity of the file it wrote there (a server serves
+    only that file, `open_written`)."""
+
+    path: str
+    device: int
+    inode: int
+
+
+def _through(fd: int, name: str) -> str | None:
+    """A path to `name` in the folder open as `fd` that goes through this process's descriptor (/proc/<pid>/fd/<n>:
+    resolved by the kernel to that very folder, wherever it now is), for writers that take a path (imageio's ffmpeg,
+    a child process, FastVideo's save); None without /proc."""
+    proc = f"/proc/{os.getpid()}/fd/{fd}"
+    return f"{proc}/{name}" if os.path.isdir(proc) else None
+
+
+class PartialFile:
+    """Where a video bound for `target` is written until it is complete:
+    `<target's folder>/.<name>.<random>.partial.mp4/<name>`, a folder only this user can enter (made by mkdir, which
+    never follows a link, mode 0700, its name from `secrets`) holding the file (created exclusively). Writers use
+    `path`, which reaches the folder through this process's descriptor of it: a folder swapped in under that name
+    later is never written into. `commit()` renames the file onto the target; `discard()` removes both. `root`: see
+    `open_folder`."""
+
+    def __init__(self, target, root=None) -> None:
+        self.target = Path(os.path.abspath(target))
+        self.name = self.target.name
+        self._parent: int | None = None
+        self._fd: int | None = None
+        error = None
+        try:
+            self._make(root)
+        except OSError as exc:  # raised below, out of this block: the one line is the whole error, no context
+            error = OSError(f"cannot write the video to {self.target}: {exc.strerror or exc}")
+        except BaseException:
+            self.discard()
+            raise
+        if error is not None:
+            self.discard()
+            raise error
+        self.path = _through(self._fd, self.name) or str(self.folder / self.name)
+
+    def _make(self, root) -> None:
+        self._parent = open_folder(self.target.parent, root)
+        _check_target(self._parent, self.target)
+        self.folder_name = _new_name(self._parent, f".{self.name}.", ".partial.mp4",
+                                     lambda name: os.mkdir(name, 0o700, dir_fd=self._parent))
+        self.folder = self.target.parent / self.folder_name
+        self._fd = os.open(self.folder_name, _DIR | os.O_NOFOLLOW, dir_fd=self._parent)
+        st = os.fstat(self._fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:  # swapped between mkdir and open
+            raise OSError(f"{self.folder} is not the private folder just made for the video")
+        self.folder_id = (st.st_dev, st.st_ino)
+        os.close(os.open(self.name, _NEW_FILE, 0o666, dir_fd=self._fd))
+
+    @classmethod
+    def reopen(cls, path, folder_id: tuple[int, int]) -> PartialFile:
+        """The partial file at `path` that another process made (its folder's identity: `folder_id`), to write here:
+        its folder is opened without following a link and must be that very folder (OSError otherwise). Only its
+        maker commits or discards it; `close()` when done."""
+        self = cls.__new__(cls)
+        self.target = Path(path)
+        self.name, self.folder = self.target.name, self.target.parent
+        self._parent = None
+        self._fd = os.open(self.folder, _DIR | os.O_NOFOLLOW)
+        st = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != tuple(folder_id):
+            self.close()
+            raise OSError(f"cannot write the video to {path}: its folder is not the one made for it")
+        self.folder_id = tuple(folder_id)
+        self.path = _through(self._fd, self.name) or str(path)
+        return self
+
+    def commit(self) -> WrittenFile:
+        """Move the finished file onto the target; -> what was written where. A target that became a link meanwhile is
+        refused (OSError; the link stays, the video goes): a link there is someone else's doing. In the instant
+        between that look and the rename, rename(2) would replace such a link itself, never write through it."""
+        try:
+            st = os.stat(self.name, dir_fd=self._fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"cannot write the video to {self.target}: the partial file is not a regular file")
+            _check_target(self._parent, self.target, f"cannot write the video to {self.target}: ")
+            os.rename(self.name, self.name, src_dir_fd=self._fd, dst_dir_fd=self._parent)
+            return WrittenFile(str(self.target), st.st_dev, st.st_ino)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the partial file and its folder (the folder by name only while that name is still it). Idempotent;
+        while a writer in another process still writes there (the folder is not empty again), the folder stays and
+        a later call removes it."""
+        if self._fd is not None and self._parent is not None:
+            for name in os.listdir(self._fd):  # the file, and anything a writer left beside it
+                try:
+                    os.unlink(name, dir_fd=self._fd)
+                except OSError:
+                    pass
+            try:
+                st = os.stat(self.folder_name, dir_fd=self._parent, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == self.folder_id:
+                    os.rmdir(self.folder_name, dir_fd=self._parent)
+            except OSError as exc:
+                if exc.errno == errno.ENOTEMPTY:
+                    return  # written again since the listing: kept open for the next call
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self._fd, self._parent):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._parent = None
+
+
+def open_written(written: WrittenFile, root=None) -> int:
+    """A read descriptor of the file `written` names, only if it is still that very file (a regular file, opened
+    without following a link, below `root` without a link: `open_folder`); OSError otherwise."""
+    path = Path(written.path)
+    folder = open_folder(path.parent, root, create=False)
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=folder)
+    finally:
+        os.close(folder)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (written.device, written.inode):
+        os.close(fd)
+        raise OSError(f"{path} is no longer the video written there")
+    return fd
+
+
+def remove_video(path, root=None, identity: tuple[int, int] | None = None) -> None:
+    """Remove the regular file at `path` (reached below `root` without a link, never a link itself), only if it is
+    the file `identity` ((device, inode), e.g. a `WrittenFile`'s) when given; quietly nothing when it is gone or is
+    not that file."""
     path = Path(path)
-    return path.with_name(f".{path.name}.partial.mp4")
+    try:
+        folder = open_folder(path.parent, root, create=False)
+    except OSError:
+        return
+    try:
+        st = os.stat(path.name, dir_fd=folder, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and identity in (None, (st.st_dev, st.st_ino)):
+            os.unlink(path.name, dir_fd=folder)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(folder)
 
 
 class _Mp4:
-    """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults), under its partial
-    name until `close(complete=True)`."""
+    """One mp4 being written frame by frame (imageio's ffmpeg writer with mimsave's defaults), in a `PartialFile`
+    until `close(complete=True)`: its own (made for `path`, committed or discarded here), or one given as `path`
+    (written in place; its maker commits it)."""
 
     def __init__(self, path, fps: float) -> None:
         import imageio  # only needed when writing
 
-        self.path = Path(path)
-        self.partial = partial_path(self.path)
-        self.writer = imageio.get_writer(self.partial, fps=fps, format="mp4")
+        self.owned = not isinstance(path, PartialFile)
+        self.partial = PartialFile(path) if self.owned else path
+        self.path = self.partial.target
+        try:
+            self.writer = imageio.get_writer(self.partial.path, fps=fps, format="mp4")
+        except BaseException:
+            if self.owned:
+                self.partial.discard()
+            raise
         self.frames = 0
 
     def append(self, frame: int, images) -> None:
@@ -123,10 +366,11 @@ class _Mp4:
             complete = False
             raise
         finally:
-            if complete:
-                os.replace(self.partial, self.path)
-            else:
-                self.partial.unlink(missing_ok=True)
+            if self.owned:
+                if complete:
+                    self.partial.commit()
+                else:
+                    self.partial.discard()
 
 
 def _check_fps(fps) -> None:

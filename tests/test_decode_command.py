@@ -5,6 +5,8 @@ diffusers' own `from_single_file` conversion; every mistake is one line and exit
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
@@ -284,6 +286,79 @@ def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"{decode.PROG}: error: -o {tmp_path / 'new' / 'a.mp4'}: the folder "
                                                 f"{tmp_path / 'new'} does not exist (create it first)"], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]  # nothing made, not even a probe
+
+
+def _sparse_safetensors(path: Path, shape, dtype: str = "F32", metadata: dict | None = None) -> Path:
+    """A safetensors file whose header declares `shape` of `dtype`, its data a hole (sparse: nothing on disk)."""
+    size = math.prod(shape) * {"F32": 4, "F8_E4M3": 1}[dtype]
+    header = {"latents": {"dtype": dtype, "shape": list(shape), "data_offsets": [0, size]}}
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + size)
+    return path
+
+
+class _Reads:
+    """safetensors' `safe_open`, recording which tensors were read from a file (the header is not a read)."""
+
+    real = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.handle = _Reads.real(*args, **kwargs)
+
+    def __enter__(self):
+        self.opened = self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.opened, name)
+
+    def get_tensor(self, name):
+        READ.append(name)
+        return self.opened.get_tensor(name)
+
+
+READ: list[str] = []
+
+
+def test_latents_are_judged_by_their_declared_shape_and_dtype_before_any_is_read(tmp_path, capsys, monkeypatch):
+    import safetensors
+
+    _Reads.real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", _Reads)
+    READ.clear()
+    monkeypatch.setattr(latents_file, "memory_left", lambda: 3 * 2**30)  # a 3 GiB limit, as the review's run had
+    kept = {"format": latents_file.FORMAT, "format_version": latents_file.FORMAT_VERSION, "normalized": "false",
+            "vae": "x", "vae_revision": "", "vae_dtype": "float32", "layout": "wan2.2", "fps": "24.0",
+            "decoder_options": "{}", "output": "x.mp4", "frames": "5"}
+    huge = (1, 48, 3 * 1024, 128, 128)  # 9 GiB of float32 latents declared, 18 GiB with their float32 copy
+    torch.save(torch.zeros(1, 48, 2, 4, 6, dtype=torch.float8_e4m3fn), tmp_path / "f8.pt")
+    cases = [
+        (_sparse_safetensors(tmp_path / "huge.safetensors", huge),
+         "huge.safetensors: latents [1, 48, 3072, 128, 128] of torch.float32 take 18.000 GiB with their float32 copy; "
+         "this process can allocate 3.000 GiB more"),
+        (_sparse_safetensors(tmp_path / "huge.latents.safetensors", huge, metadata=kept),
+         "huge.latents.safetensors: latents [1, 48, 3072, 128, 128] of torch.float32 take 18.000 GiB"),
+        (_sparse_safetensors(tmp_path / "f8.safetensors", (1, 48, 2, 4, 6), "F8_E4M3"),
+         "f8.safetensors: holds a torch.float8_e4m3fn tensor of shape [1, 48, 2, 4, 6]; expected float latents "
+         "[B, z_dim, T, h, w] of float32, bfloat16, float16 or float64"),
+        (_sparse_safetensors(tmp_path / "f8.latents.safetensors", (1, 48, 2, 4, 6), "F8_E4M3", metadata=kept),
+         "f8.latents.safetensors: holds a torch.float8_e4m3fn tensor"),
+        (tmp_path / "f8.pt", "f8.pt: holds a torch.float8_e4m3fn tensor of shape [1, 48, 2, 4, 6]; expected float"),
+    ]
+    for latents, expected in cases:
+        code, out, errors = _main([latents, "--vae", tmp_path / "nowhere"], capsys)
+        assert code == 2 and len(errors) == 1 and expected in errors[0], (latents, code, errors)
+    assert READ == []  # refused from the header: no tensor was read
+    assert latents_file.memory_left.__name__ == "<lambda>" and monkeypatch.undo() is None
+    assert 0 < latents_file.memory_left() < 2**50  # the real bound reads this machine (its available memory at least)
 
 
 @pytest.mark.parametrize("weights, says", [

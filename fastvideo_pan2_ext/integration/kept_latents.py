@@ -22,10 +22,10 @@ import torch
 from fastvideo_pan2_ext import latents_file
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
 from . import adapter, fast_decode, streamed_save
 from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
-from .request_failure import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
     vae = stage.vae
     output = request.output  # absolute (`KeepLatentsRequest.beside`): the line and the file work from any folder
     path = latents_file.path_for(output)
-    failure = DecodeFailure(one_line(error), str(path))
+    failure = DecodeFailure(first_line(error, with_type=True), str(path))
     layout, scale = _layout_and_scale(vae)
     if _is_root():
         opts = fast_decode.options(vae.config) or decoder_options.DecoderOptions()
@@ -83,7 +83,7 @@ def keep(stage, batch, latents: torch.Tensor, request: KeepLatentsRequest, fastv
                 fps=float(request.fps), output=output, decoder_options=decoder_options.as_kwargs(opts))
             latents_file.write(path, kept)
         except Exception as exc:  # e.g. the disk that filled up at the save
-            failure = DecodeFailure(failure.error, None, one_line(exc))
+            failure = DecodeFailure(failure.error, None, first_line(exc, with_type=True))
         logger.debug("PAN2 decode failed", exc_info=error)  # the parent says the one line
     batch.output = streamed_save.empty_output(latents.shape[0], latents.shape[3] * scale, latents.shape[4] * scale)
     batch.extra[FAILURE_KEY] = failure

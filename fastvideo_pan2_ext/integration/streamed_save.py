@@ -11,15 +11,17 @@ parent's `* 255` copy). For a PAN2 request that saves its video, that step is wr
   yields frames (byte-identical to FastVideo's save of the same frames, its batch grid layout included) and hands
   FastVideo `empty_output(...)` in place of the frames. The parent then fills `video_path` and `size` from the file, as
   FastVideo fills them.
-- Otherwise FastVideo saves, into `video_io.partial_path(target)`.
+- Otherwise FastVideo saves, into the `video_io.PartialFile` made for the target.
 
 Every PAN2 request with the fast decoder on, saved or not, also carries a `decode_failure.KeepLatentsRequest` (the
 path FastVideo chose for its video, and the fps): a decode that fails keeps its latents beside it (`kept_latents`),
 and the `DecodeFailed` FastVideo wraps in a RuntimeError is raised here as itself, so `VideoGenerator` raises it.
 
-Either way the video is written beside its target under a partial name and renamed into place only when complete; a
-failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs it. A
-streamed decode that runs out of memory after its first frames were written starts the file again at the decoder's
+Either way the parent makes the `PartialFile` beside the target (a private folder of a random name; below the
+server's output_dir, set by `confine_outputs`, no link is followed), the video is written into it and the parent
+renames it into place only when complete, recording what it wrote (`WRITTEN_KEY` in the result: the file a server
+serves); a failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs
+it. A streamed decode that runs out of memory after its first frames were written starts the file again at the decoder's
 smaller plan (`WanVAEDecoder.decode_iter`'s `DecodeRestart`): the partial file is discarded and rewritten, so the
 target only ever receives the whole video.
 """
@@ -30,7 +32,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -38,21 +39,25 @@ import torch
 
 from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_count, check_videos_per_request
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
-from fastvideo_pan2_ext.video_io import check_writable, mp4_size, partial_path, write_grid_stream
+from fastvideo_pan2_ext.video_io import PartialFile, mp4_size, write_grid_stream
 
-from . import adapter, decode_failure, fast_decode, memory_check, request_failure
+from . import adapter, cancel, decode_failure, fast_decode, memory_check, request_failure
 
 logger = logging.getLogger(__name__)
 
 KEY = "pan2_streamed_save"  # batch.extra key of the request
+WRITTEN_KEY = "pan2_written"  # the result's key of the video_io.WrittenFile the parent moved into place
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamedSaveRequest:
-    """Parent -> decoding stage: write this request's video to `path` (atomically, via video_io) at `fps`."""
+    """Parent -> decoding stage: write this request's video at `fps` into the partial file `path` the parent made
+    (its folder's identity: `folder_id`, checked before writing; the parent moves it into place); without `folder_id`,
+    `path` is the target, written atomically by the stage itself (one process: a test, a caller of the stage)."""
 
     path: str
     fps: float
+    folder_id: tuple[int, int] | None = None
 
 
 def empty_output(batch_size: int, height: int, width: int) -> torch.Tensor:
@@ -70,21 +75,30 @@ def write_while_decoding(vae, latents: torch.Tensor, request: StreamedSaveReques
     again, the decoder now at its smaller plan."""
     decoder = fast_decode.decoder_for(vae, latents.device)
     start = time.perf_counter()
-    while True:
-        chunks = [fast_decode.iter_decode(vae, latents[b:b + 1]) for b in range(latents.shape[0])]
-        try:
-            if not decoder.is_root:
-                for _ in itertools.zip_longest(*chunks):  # in step with rank 0's writer: one collective pass a step
-                    pass
-                return
-            frames = write_grid_stream(chunks, request.path, request.fps)  # removes its partial file on an error
-            break
-        except DecodeRestart:
-            logger.warning("PAN2 decode: %s restarts at the decoder's smaller plan", request.path)
-        finally:
-            for stream in chunks:  # in the same order on every rank: a stream closed midway tells the group
-                stream.close()
-    logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, request.path,
+    reopened = decoder.is_root and request.folder_id is not None
+    partial = PartialFile.reopen(request.path, request.folder_id) if reopened else None
+    video = Path(request.path)
+    if request.folder_id is not None:  # the parent's partial file: <folder>/<private folder>/<name>
+        video = video.parent.parent / video.name
+    try:
+        while True:
+            chunks = [fast_decode.iter_decode(vae, latents[b:b + 1]) for b in range(latents.shape[0])]
+            try:
+                if not decoder.is_root:
+                    for _ in itertools.zip_longest(*chunks):  # in step with rank 0's writer: one collective pass a step
+                        pass
+                    return
+                frames = write_grid_stream(chunks, partial or request.path, request.fps)  # a restart: the file anew
+                break
+            except DecodeRestart:
+                logger.warning("PAN2 decode: %s restarts at the decoder's smaller plan", video)
+            finally:
+                for stream in chunks:  # in the same order on every rank: a stream closed midway tells the group
+                    stream.close()
+    finally:
+        if partial is not None:
+            partial.close()
+    logger.info("PAN2 decode: wrote %d frames to %s while decoding (%.2f s)", frames, video,
                 time.perf_counter() - start)
 
 
@@ -114,45 +128,61 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
     memory_check.check_sampling(args, sampling_param)  # before the request reaches the workers
     if request_failure.fails_alone():
         kwargs = adapter.with_batch_extra(kwargs, request_failure.FAILS_ALONE_KEY, True)
+    if cancel.current() is not None:
+        kwargs = adapter.with_batch_extra(kwargs, cancel.KEY, cancel.current())
     if decode_failure.keeps_latents(args):  # beside the path FastVideo chose, even for a request that saves nothing
         kwargs = adapter.with_batch_extra(kwargs, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest.beside(
             kwargs["output_path"], sampling_param.fps))
     if not sampling_param.save_video or args.output_type == "latent":
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
     target = Path(kwargs["output_path"])
-    check_writable(target)
-    partial = partial_path(target)
+    partial = PartialFile(target, root=_root)  # one line (OSError) for a target or folder that is a link
     _in_flight.add(partial)
+    failed = True
     try:
         if streams(args, sampling_param):
             sampling_param = copy.copy(sampling_param)
             sampling_param.save_video = False  # the decoding stage saves
-            kwargs = adapter.with_batch_extra(kwargs, KEY, StreamedSaveRequest(str(target), sampling_param.fps))
+            kwargs = adapter.with_batch_extra(kwargs, KEY, StreamedSaveRequest(
+                str(partial.folder / partial.name), sampling_param.fps, partial.folder_id))
             logger.info("PAN2: the video is saved to %s by the decoding stage while it decodes (FastVideo's own save "
                         "is off for this request, hence 'save_video: False' below)", target)
             result = original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
-            result["video_path"] = str(target)
-            result["size"] = mp4_size(target)
-            logger.info("Saved video to %s (written by the decoding stage while it decoded)", target)
+            result["size"] = mp4_size(partial.path)  # the file written, read before it is moved
         else:
             result = original(generator, prompt, sampling_param, fastvideo_args,
-                              **{**kwargs, "output_path": str(partial)})
-            os.replace(partial, target)
-            result["video_path"] = str(target)
+                              **{**kwargs, "output_path": partial.path})
+        result[WRITTEN_KEY] = partial.commit()
+        result["video_path"] = str(target)
+        logger.info("Saved video to %s", target)
+        failed = False
     finally:
-        partial.unlink(missing_ok=True)  # only there if the request failed or was interrupted
-    _in_flight.discard(partial)  # done: a failed request's stays listed until its workers are stopped
+        if not failed:
+            _in_flight.discard(partial)  # a failed request's stays listed until its workers are stopped
+        partial.discard()  # only there if the request failed or was interrupted
     return result
 
 
-_in_flight: set[Path] = set()  # partial files of this process's requests that have not completed
+_in_flight: set[PartialFile] = set()  # partial files of this process's requests that have not completed
+_root: Path | None = None  # `confine_outputs`
+
+
+def confine_outputs(root) -> None:
+    """This process's videos are written below `root` (a server's output_dir) without following a link there (a
+    target or folder that is one is refused in one line); None: each target's folder as its caller gives it."""
+    global _root
+    _root = Path(root) if root is not None else None
+
+
+def output_root() -> Path | None:
+    return _root
 
 
 def remove_left_partials() -> None:
     """Remove the partial files of requests that did not complete (once their workers are stopped, nothing writes
     them any more)."""
     for partial in list(_in_flight):
-        partial.unlink(missing_ok=True)
+        partial.discard()
         _in_flight.discard(partial)
 
 
