@@ -52,9 +52,7 @@ class FastDecode(diffusers_route.Route):
     `follow_vae`)."""
 
     method, attribute, worker_name, input_name, verb = "decode", "_pan2_fast_decode", "decoder", "latents", "decoding"
-
-    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
-        return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
+    submodules = ("post_quant_conv", "decoder")
 
     @classmethod
     def architecture(cls, vae: AutoencoderKLWan):

@@ -52,9 +52,7 @@ class FastEncode(diffusers_route.Route):
     encode; made again when the VAE is on another device)."""
 
     method, attribute, worker_name, input_name, verb = "encode", "_pan2_fast_encode", "encoder", "video", "encoding"
-
-    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
-        return [*vae.encoder.parameters(), *vae.quant_conv.parameters()]
+    submodules = ("encoder", "quant_conv")
 
     @classmethod
     def architecture(cls, vae: AutoencoderKLWan):

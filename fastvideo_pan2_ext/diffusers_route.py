@@ -8,7 +8,8 @@ subclass's `attribute`) and the method itself, `functools.partial(call, vae, met
 (`disable`) restores diffusers' class methods, bit for bit. Each call (`call`): autograd recording goes to diffusers'
 method (one warning), diffusers' offload hook runs as its `apply_forward_hook` would, the route's worker (made from
 the VAE on the VAE's device) runs, batch element by element under `enable_slicing()`, and the result is wrapped in
-diffusers' return types. A VAE the worker cannot take, or one offloaded layer by layer, runs diffusers' method (one
+diffusers' return types. A VAE the worker cannot take, one offloaded layer by layer, or one whose layers diffusers'
+layerwise casting or a forward hook changes (a fused worker runs no layer's forward), runs diffusers' method (one
 warning).
 """
 
@@ -22,11 +23,17 @@ import weakref
 import torch
 import torch.distributed as dist
 from diffusers import AutoencoderKLWan
+from diffusers.hooks.group_offloading import (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER,
+                                              _LAZY_PREFETCH_GROUP_OFFLOADING)
+from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
-from fastvideo_pan2_ext.vae_kernel.portable import passes
+from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
+from fastvideo_pan2_ext.vae_kernel.portable import passes, weights
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# diffusers' hooks that only move a layer's weights (group offload), not what it computes: the worker reads the same.
+_MOVING_HOOKS = frozenset({_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING})
 
 
 def wan_vae_of(target) -> AutoencoderKLWan:
@@ -45,20 +52,13 @@ def tile_rows_of(vae: AutoencoderKLWan, encode: bool = False) -> int:
     return max(1, vae.tile_sample_min_height // ratio)
 
 
-def check_backend(backend) -> None:
-    """`backend="cuda"` refused at the switch where torch sees no GPU (a VAE on the CPU may still run on a GPU later:
-    moved there, or by model offload's hook; what is known now is whether there is one)."""
-    if backend == "cuda" and not torch.cuda.is_available():
-        raise ValueError("backend='cuda' runs the compiled kernels on a GPU, but torch sees none here "
-                         "(torch.cuda.is_available() is False): pass backend='auto' or 'torch'")
-
-
 class Route:
     """One routed method on one VAE: its options, its worker (made from the VAE on first use, on the VAE's device;
     made again when the VAE is on another device), and the warnings it has given. A subclass says which method it
     routes and how its worker runs."""
 
     method = ""  # diffusers' method it replaces: "decode" / "encode"
+    submodules: tuple[str, ...] = ()  # the VAE's submodules that method computes with
     attribute = ""  # the VAE's instance attribute holding the route
     worker_name = ""  # "decoder" / "encoder", as the warnings name it
     input_name = ""  # "latents" / "video"
@@ -101,28 +101,66 @@ class Route:
         self.worker = None
 
     def worker_for(self, vae: AutoencoderKLWan):
-        """The worker for `vae`, or None (after one warning) when diffusers' method runs: outside the architecture,
-        or offloaded layer by layer."""
+        """The worker for `vae`, or None (after one warning) when diffusers' method runs: offloaded layer by layer,
+        changed by hooks (`hooked_reason`), or outside the architecture (`unsupported_reason`)."""
         if any(p.device.type == "meta" for p in self.parameters(vae)):  # accelerate's sequential offload
             self.fallback("sequential", "this AutoencoderKLWan is offloaded layer by layer "
                                         "(enable_sequential_cpu_offload), so its weights are never on the GPU at once")
             return None
+        reason = self.hooked_reason(vae)
+        if reason is not None:
+            self.fallback("hooked", f"{reason}, which the fast {self.worker_name} (one fused computation from the "
+                                    "weights) would not apply")
+            return None
         reason = self.unsupported_reason(vae)
         if reason is not None:
-            self.fallback("unsupported", f"this AutoencoderKLWan is outside the fast {self.worker_name}'s "
-                                         f"architecture ({reason})")
+            self.fallback("unsupported", f"the fast {self.worker_name} cannot {self.method} this AutoencoderKLWan: "
+                                         f"{reason}")
             return None
         if self.worker is None or self.worker.device != vae.device:
             self.worker = self.make(vae)
         return self.worker
 
     @classmethod
+    def hooked_reason(cls, vae: AutoencoderKLWan) -> str | None:
+        """Why diffusers' method computes something other than the VAE's weights in their dtype, which is what the
+        worker computes (so diffusers' method runs), or None: diffusers' layerwise casting (its hooks cast each
+        layer's weights from their storage dtype as it runs), another diffusers hook changing a layer (group offload
+        only moves weights), or a torch forward hook (it runs only when a layer's forward does)."""
+        for prefix in cls.submodules:
+            for name, module in getattr(vae, prefix).named_modules(prefix=f"vae.{prefix}"):
+                registry = getattr(module, "_diffusers_hook", None)
+                casting = None if registry is None else registry.get_hook(_LAYERWISE_CASTING_HOOK)
+                if casting is not None:
+                    return (f"this VAE is under diffusers' layerwise casting (enable_layerwise_casting: weights stored "
+                            f"in {casting.storage_dtype}, each layer computing in {casting.compute_dtype})")
+                other = [] if registry is None else [h for h in registry.hooks if h not in _MOVING_HOOKS]
+                if other:
+                    return f"{name} has diffusers' {other[0]!r} hook, which changes what that layer computes"
+                if module._forward_hooks or module._forward_pre_hooks:
+                    return f"{name} has a forward hook (register_forward_hook or register_forward_pre_hook)"
+        return None
+
+    @classmethod
     def unsupported_reason(cls, vae: AutoencoderKLWan) -> str | None:
-        """Why the worker cannot take this VAE (diffusers' method then runs), or None when it can."""
+        """Why the worker cannot take this VAE (diffusers' method then runs), in a user's words, or None when it
+        can."""
+        for prefix in cls.submodules:
+            module = getattr(vae, prefix)
+            if hasattr(module, "_orig_mod"):  # torch.compile's OptimizedModule
+                return f"vae.{prefix} is compiled by torch.compile, which only diffusers' {cls.method} runs"
+        dtypes = sorted({str(p.dtype) for p in cls.parameters(vae) if p.dtype not in weights.WEIGHT_DTYPES})
+        if dtypes:
+            return (f"its {cls.worker_name}'s weights are {', '.join(dtypes)}; it takes float32, bfloat16, float16 "
+                    "or float64 weights")
+        attention = list(getattr(vae.config, "attn_scales", None) or [])
+        if attention:
+            return (f"its config has attn_scales {attention} (attention inside the down and up blocks); the Wan VAE "
+                    "has attention in its middle blocks only")
         try:
             config = cls.architecture(vae)
         except ValueError as exc:
-            return str(exc)
+            return f"it is outside the fast {cls.worker_name}'s architecture ({exc})"
         if config.patch_size != (vae.config.patch_size or 1):
             return (f"its {cls.worker_name}'s weights are for patch size {config.patch_size} (3 x p x p channels) "
                     f"but its config says patch_size {vae.config.patch_size!r}")
@@ -142,9 +180,10 @@ class Route:
 
     # What a subclass defines ---------------------------------------------------------------------------------------
 
-    def parameters(self, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
+    @classmethod
+    def parameters(cls, vae: AutoencoderKLWan) -> list[torch.nn.Parameter]:
         """The VAE's parameters this method computes with."""
-        raise NotImplementedError
+        return [p for name in cls.submodules for p in getattr(vae, name).parameters()]
 
     @classmethod
     def architecture(cls, vae: AutoencoderKLWan):
@@ -249,7 +288,7 @@ def enable(target, route_class: type[Route], options, pg=None) -> None:
     already there). What can be known now is refused now, not after the denoise: `backend="cuda"` where torch sees no
     GPU, and a `max_memory` below what the smallest input needs where the VAE already is on the device it runs on."""
     vae = wan_vae_of(target)
-    check_backend(options.backend)
+    check_gpu_for(options.backend)  # at the switch: a VAE on the CPU may run on a GPU later (moved, offloaded)
     route = route_class(options, pg, None if target is vae else target)
     if options.max_memory is not None and (vae.device.type == "cuda" or not torch.cuda.is_available()):
         route.check_budget(vae)  # else the call checks it before any work

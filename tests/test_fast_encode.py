@@ -5,7 +5,9 @@
   within fp32 rounding of it (mean and logvar separately), whose `.sample(generator)` draws what FastVideo's draws;
   its options reach the encoder; it follows the VAE's weights and place;
 - every case the fast encoder cannot serve runs FastVideo's own encode, with one warning line;
-- PAN2's `vae_encode_*` switches (views of `vae_config.encode_*`), checked before any model loads;
+- PAN2's `vae_encode_*` switches (views of `vae_config.encode_*`), checked before any model loads: in the CLI every
+  encoder and decoder mistake (a value, a misspelt name, `backend cuda` without a GPU, a `max_memory` the request
+  cannot fit, planned as the workers plan it) is one line naming the flag as typed;
 - end to end, `fastvideo generate --pipeline pan2` on the tiny checkpoint with the switch on and off (two real runs,
   parent and worker: ~1 min on 2 cores): the same video within a tight bound.
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import fastvideo.logger  # noqa: F401 - its import configures logging (the root's handlers, caplog's among them)
@@ -308,7 +311,7 @@ def test_a_video_size_the_encoder_does_not_take_is_fastvideos(caplog):
     ("encode_reuse_steady", "yes", r"encode_reuse_steady must be True or False; got 'yes'$"),
     ("encode_max_memory", "lots", r"encode_max_memory must be bytes"),
     ("encode_backend", "cuda", r"encode_backend='cuda' runs the compiled bf16 kernels, and this encode computes in "
-                               r"fp32 \(vae_precision 'fp32', encode_precision 'auto'\)"),  # FastVideo's fp32 VAE
+                               r"fp32 \(vae_precision 'fp32', vae_(config\.)?encode_precision 'auto'\)"),  # fp32 VAE
 ], ids=["precision", "frames_per_pass", "reuse_steady", "max_memory", "compiled in fp32"])
 def test_a_bad_option_is_one_error_when_fastvideos_args_are_made_before_any_model_loads(tiny_ckpt, monkeypatch, field,
                                                                                          value, message):
@@ -355,7 +358,32 @@ def _cli(monkeypatch, capsys, *argv):
     return info.value.code, capsys.readouterr()
 
 
-def test_pan2_cli_bad_encoder_option_is_one_line(tiny_ckpt, tmp_path, monkeypatch, capsys):
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU takes backend cuda")
+
+
+# Each mistake as typed: one line naming that flag, exit 2, before FastVideo starts a worker (the decoder's too).
+@pytest.mark.parametrize("flags, line", [
+    (["vae_encode_kernel", "true", "vae_encode_precision", "fp16"],
+     r"vae_encode_precision must be one of \['auto', 'fp32', 'bf16'\]; got 'fp16'$"),
+    (["vae_encode_kernel", "true", "vae_encode_max_memory", "1KiB"],
+     r"vae_encode_max_memory='1KiB' cannot encode this request on \w+: max_memory 1\.0 KiB \(1024 bytes\) is too small "
+     r"to encode a video into moments \[1, 96, 1, 4, 6\] even in one-row tiles: that needs at least "),
+    pytest.param(["vae_encode_kernel", "true", "vae_encode_backend", "cuda"],
+                 r"vae_encode_backend='cuda' runs the compiled kernels on a GPU, but torch sees none here", marks=no_gpu),
+    pytest.param(["vae_encode_kernel", "true", "vae_encode_backend", "cuda", "vae_encode_precision", "bf16"],
+                 r"vae_encode_backend='cuda' runs the compiled kernels on a GPU, but torch sees none here", marks=no_gpu),
+    (["vae_decode_kernel", "true", "vae_decode_max_memory", "1KiB"],
+     r"vae_decode_max_memory='1KiB' cannot decode this request on \w+: max_memory 1\.0 KiB \(1024 bytes\) is too small "
+     r"to decode latents \[1, 48, 3, 4, 6\] "),
+    pytest.param(["vae_decode_kernel", "true", "vae_decode_backend", "cuda"],
+                 r"vae_decode_backend='cuda' runs the compiled kernels on a GPU, but torch sees none here", marks=no_gpu),
+    (["vae_encode_kernal", "true"], r"unknown PAN2 option vae_encode_kernal: did you mean vae_encode_kernel\?$"),
+    (["vae_decode_kernel", "true", "vae_decode_tile_row", "2"],
+     r"unknown PAN2 option vae_decode_tile_row: did you mean vae_decode_tile_rows\?$"),
+], ids=["value", "encode budget", "encode cuda", "encode cuda bf16", "decode budget", "decode cuda", "misspelt switch",
+        "misspelt option"])
+def test_pan2_cli_encoder_and_decoder_mistakes_are_one_line_before_any_model_loads(tiny_ckpt, tmp_path, monkeypatch,
+                                                                                    capsys, flags, line):
     from fastvideo import VideoGenerator
 
     def no_workers(*args, **kwargs):
@@ -363,13 +391,49 @@ def test_pan2_cli_bad_encoder_option_is_one_line(tiny_ckpt, tmp_path, monkeypatc
 
     monkeypatch.setattr(VideoGenerator, "from_fastvideo_args", classmethod(no_workers))
     image = exif_rotated_jpeg(tmp_path / "a.jpg")
+    overrides = [arg for name, value in zip(flags[::2], flags[1::2])
+                 for arg in (f"--generator.pipeline.experimental.{name}", value)]
     code, out = _cli(monkeypatch, capsys, "generate", "--pipeline", "pan2", "--generator.model_path", str(tiny_ckpt),
                      "--request.prompt", "a cat", "--request.inputs.image_path", str(image),
-                     "--generator.pipeline.experimental.vae_encode_kernel", "true",
-                     "--generator.pipeline.experimental.vae_encode_precision", "fp16")
-    assert code == 2
-    assert out.err.strip().splitlines() == ["fastvideo generate: error: vae_encode_precision must be one of ['auto', "
-                                            "'fp32', 'bf16']; got 'fp16'"]
+                     "--request.sampling.height", "64", "--request.sampling.width", "96",
+                     "--request.sampling.num_frames", "9", "--request.output.output_path", str(tmp_path / "v.mp4"),
+                     *overrides)
+    assert code == 2, out
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and re.match("fastvideo generate: error: " + line, lines[0]), lines
+
+
+def test_the_command_lines_budget_check_plans_as_the_workers_do(tiny_ckpt):
+    """The check before any model loads plans from the checkpoint's VAE on the meta device: the same refusal as the
+    worker's encoder and decoder (made from the real weights) at a budget too small, and both take the least budget
+    that refusal names."""
+    from diffusers import AutoencoderKLWan
+
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+    from fastvideo_pan2_ext.integration import fast_decode, fast_encode
+    from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
+    from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
+
+    vae, meta = AutoencoderKLWan.from_pretrained(tiny_ckpt / "vae"), fast_decode.meta_vae(tiny_ckpt)
+    video = (1, 3, 9, 64, 96)
+    for part, check, worker, planned in [
+            ("decode", lambda c: fast_decode.check_runs_here(c.vae_config, meta, video, prefix="vae_"),
+             lambda budget: WanVAEDecoder(vae, device="cpu", local=True, max_memory=budget),
+             lambda w: w.plan((1, 48, 3, 4, 6))),
+            ("encode", lambda c: fast_encode.check_runs_here(c, meta, (1, 3, 1, 64, 96), prefix="vae_"),
+             lambda budget: WanVAEEncoder(vae, device="cpu", local=True, max_memory=budget),
+             lambda w: w.plan((1, 3, 1, 64, 96)))]:
+        def config(budget):
+            return PAN2PipelineConfig(**{f"vae_{part}_kernel": True, f"vae_{part}_max_memory": budget})
+
+        with pytest.raises(ValueError) as refused:
+            check(config("1KiB"))
+        with pytest.raises(ValueError) as workers:
+            planned(worker("1KiB"))
+        assert str(refused.value).endswith(str(workers.value)), (refused.value, workers.value)
+        least = int(re.search(r"needs at least .* \((\d+) bytes\)", str(workers.value)).group(1))
+        check(config(least))  # taken by both
+        assert planned(worker(least)).tile_rows is not None
 
 
 # --------------------------------------------------------------------------------------------------- end to end

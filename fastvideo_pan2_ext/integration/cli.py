@@ -10,7 +10,9 @@ FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrid
   user did not set, and checks the inputs (checkpoint folder, image, size) before any model loads;
 - an unknown name, or bad input, ends the command with one ``fastvideo generate: error: ...`` line (exit code 2),
   before any model loads: the checkpoint, the image (present, non-empty, decodable, not a bomb), the size, the
-  frame count (4k + 1), FASTVIDEO_FA4, and the output folder (a real write probe);
+  frame count (4k + 1), the fast decoder's and encoder's options (a misspelt `vae_decode_*` / `vae_encode_*` name,
+  a value, `backend cuda` without a GPU, a `max_memory` the request's decode or encode cannot fit), FASTVIDEO_FA4,
+  and the output folder (a real write probe);
 - a run that is interrupted (Ctrl-C, SIGTERM) or loses a worker stops the workers, leaves no video (not even a
   partial one) and ends with one line and exit code 128 + the signal (130 for Ctrl-C), without a traceback.
 """
@@ -18,6 +20,8 @@ FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import multiprocessing
 import signal
 import sys
@@ -30,9 +34,10 @@ from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_
                                              check_frame_count, check_videos_per_request)
 from fastvideo_pan2_ext.image import check_size, cover_size, load_image
 from fastvideo_pan2_ext.model import memory
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
 from fastvideo_pan2_ext.video_io import check_writable
 
-from . import adapter, decode_failure, memory_check, streamed_save
+from . import adapter, decode_failure, fast_decode, fast_encode, memory_check, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
@@ -51,11 +56,24 @@ def select_pan2(generator: dict) -> None:
     json_path = experimental.pop("pipeline_config", None) or pipeline["components"].pop("pipeline_config_path", None)
     if json_path is not None and not isinstance(json_path, str):
         raise ValueError(f"--pipeline pan2: pipeline_config must be a JSON file path; got {json_path!r}")
+    check_vae_option_names(experimental)
     pan2_config = PAN2PipelineConfig(**{k: experimental.pop(k) for k in PAN2_FIELDS if k in experimental})
     if json_path:
         pan2_config.load_from_json(json_path)
         pan2_config.check_vae_options()
     experimental["pipeline_config"] = pan2_config
+
+
+def check_vae_option_names(experimental: dict) -> None:
+    """ValueError naming the nearest valid name for a `vae_encode_*` / `vae_decode_*` key that is no option (FastVideo
+    passes unknown keys on and drops them: a misspelt switch would silently leave the fast path off)."""
+    valid = {*PAN2_FIELDS, *(f.name for f in dataclasses.fields(PAN2PipelineConfig))}
+    for name in experimental:
+        if name.startswith(("vae_encode", "vae_decode")) and name not in valid:
+            options = sorted(n for n in valid if n.startswith("vae_"))
+            nearest = difflib.get_close_matches(name, options, n=1)
+            hint = f"did you mean {nearest[0]}?" if nearest else f"the options are {', '.join(options)}"
+            raise ValueError(f"unknown PAN2 option {name}: {hint}")
 
 
 def _pan2_run_config(args):
@@ -80,6 +98,13 @@ def _pan2_run_config(args):
     config = adapter.validated_generate_config(raw)
     check_frame_count(config.request.sampling.num_frames)
     sampling = config.request.sampling
+    # The fast decoder's and encoder's options where they will run (a GPU, a budget), before the workers load models.
+    pan2_config, vae = raw["generator"]["pipeline"]["experimental"]["pipeline_config"], \
+        fast_decode.meta_vae(config.generator.model_path)
+    fast_decode.check_runs_here(pan2_config.vae_config, vae, (1, 3, sampling.num_frames, sampling.height,
+                                                              sampling.width), prefix="vae_")
+    fast_encode.check_runs_here(pan2_config, vae if image_path is not None else None,  # text-to-video encodes none
+                                (1, 3, 1, sampling.height, sampling.width), prefix="vae_")
     memory_check.check(adapter.symbol("generator_config_to_fastvideo_args")(config.generator),
                        memory.Request(sampling.height, sampling.width, sampling.num_frames))
     output_path = config.request.output.output_path  # a file (.mp4) or a folder FastVideo names the file in
@@ -95,7 +120,7 @@ def fail(command: str, error: str | BaseException) -> NoReturn:
     """`fastvideo <command>: error: <the message, or the error's first line>` and exit code 2, before any model
     loads (argparse's convention for a bad invocation)."""
     if isinstance(error, BaseException):
-        error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        error = first_line(error)
     print(f"fastvideo {command}: error: {error}", file=sys.stderr)
     raise SystemExit(2)
 

@@ -25,7 +25,11 @@ import torch
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import video_shape
+from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames, video_shape
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
+from fastvideo_pan2_ext.vae_kernel.planning import memory
+from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
 
 from . import adapter
 
@@ -71,6 +75,57 @@ def check_fastvideo_args(args) -> None:
             reason = unsupported_layout(json.load(f))
         if reason:
             raise ValueError(f"vae_config.decode_kernel=True cannot decode {args.model_path!r}: {reason}")
+
+
+def meta_vae(model_path) -> torch.nn.Module | None:
+    """diffusers' AutoencoderKLWan of a local checkpoint's vae/config.json on the meta device (its layers' shapes, no
+    weights: what a plan reads, before any model loads); None for a hub id or a folder without one."""
+    vae_json_path = os.path.join(str(model_path), "vae", "config.json")
+    if not os.path.isfile(vae_json_path):
+        return None
+    from diffusers import AutoencoderKLWan
+
+    with open(vae_json_path, encoding="utf-8") as f:
+        vae_json = json.load(f)
+    with torch.device("meta"):
+        return AutoencoderKLWan.from_config(vae_json)
+
+
+def planning_device() -> torch.device:
+    """Where this machine's workers will decode (encode): a GPU where torch sees one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_runs_here(vae_config, vae: torch.nn.Module | None, shape, prefix: str = "vae_config.") -> None:
+    """Before any model loads, on the machine that will decode (the command line): ValueError, naming the field as
+    `prefix` + its name, when the switched-on decoder's options cannot decode a video of `shape` ([B, 3, F, H, W])
+    here: backend 'cuda' where torch sees no GPU, or a max_memory below what decoding its latents needs in
+    one-row tiles, planned from `vae` (the checkpoint's VAE on the meta device, `meta_vae`; None: not planned) for
+    the decode streamed or not, whichever the request takes."""
+    opts = options(vae_config, prefix)
+    if opts is None:
+        return
+    check_gpu_for(opts.backend, prefix + config_field("backend"))
+    if opts.max_memory is None or vae is None:
+        return
+    device = planning_device()
+    config, prepared = weights_mod.meta_prepared(vae, device)
+    planner, budget = memory.MemoryPlanner(prepared, config, device), memory.parse_bytes(opts.max_memory)
+    b, _, frames, height, width = shape
+    s = config.spatial_scale
+    latents = (b, config.z_dim, latent_frames(frames), height // s, width // s)
+    for stream in (True, False):
+        try:
+            memory.choose_plan(planner, latents, opts.frames_per_pass, None, stream, budget)
+            return
+        except ValueError as exc:
+            error = exc
+    raise ValueError(f"{prefix}{config_field('max_memory')}={opts.max_memory!r} cannot decode this request on "
+                     f"{device.type}: {first_line(error)}")
+
+
+def config_field(option: str) -> str:
+    return decoder_options.config_field("decode", option)
 
 
 # --------------------------------------------------------------------------------------------------- decoding

@@ -24,11 +24,15 @@ import weakref
 import torch
 
 from fastvideo_pan2_ext.vae_kernel import options as encoder_options
-from fastvideo_pan2_ext.vae_kernel.definitions.architecture import check_video
+from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
+from fastvideo_pan2_ext.vae_kernel.definitions.architecture import check_video, encoded_shape
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
+from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
+from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
 
-from . import adapter
+from . import adapter, fast_decode
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +47,65 @@ def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderO
     return opts if enabled else None
 
 
+def config_field(option: str) -> str:
+    return encoder_options.config_field("encode", option)
+
+
+def _vae_precision(pipeline_config) -> str:
+    return getattr(pipeline_config, "vae_precision", "fp32") or "bf16"  # FastVideo's loader: unset is bf16
+
+
+def _computes_in(opts, pipeline_config) -> torch.dtype:
+    """The dtype the encode computes in: `precision`, or for "auto" the VAE's (FastVideo loads it in
+    `vae_precision`)."""
+    bf16 = opts.precision == "bf16" or opts.precision == "auto" and _vae_precision(pipeline_config) == "bf16"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def _check_options(opts, pipeline_config, prefix: str) -> None:
+    """`encode_backend="cuda"` (the compiled bf16 kernels) where the encode computes in fp32 (a ValueError naming
+    the fields as `prefix` + their names)."""
+    if opts.backend == "cuda" and _computes_in(opts, pipeline_config) == torch.float32:
+        vae_precision = _vae_precision(pipeline_config)
+        raise ValueError(f"{prefix}{config_field('backend')}='cuda' runs the compiled bf16 kernels, and this encode "
+                         f"computes in fp32 (vae_precision {vae_precision!r}, {prefix}{config_field('precision')} "
+                         f"{opts.precision!r}): set {prefix}{config_field('precision')} to 'bf16' or "
+                         f"{prefix}{config_field('backend')} to 'auto'")
+
+
 def check_fastvideo_args(args) -> None:
     """At FastVideoArgs creation, in the process that starts the workers: a bad option is one error before any model
     loads, and so is `encode_backend="cuda"` (the compiled bf16 kernels) where the encode computes in fp32."""
-    pipeline_config = args.pipeline_config
-    opts = options(getattr(pipeline_config, "vae_config", None))
-    vae_precision = getattr(pipeline_config, "vae_precision", "fp32") or "bf16"  # FastVideo's loader: unset is bf16
-    fp32 = opts is not None and (opts.precision == "fp32" or opts.precision == "auto" and vae_precision != "bf16")
-    if fp32 and opts.backend == "cuda":
-        raise ValueError(f"vae_config.encode_backend='cuda' runs the compiled bf16 kernels, and this encode computes "
-                         f"in fp32 (vae_precision {vae_precision!r}, encode_precision {opts.precision!r}): set "
-                         "encode_precision='bf16' or encode_backend='auto'")
+    opts = options(getattr(args.pipeline_config, "vae_config", None))
+    if opts is not None:
+        _check_options(opts, args.pipeline_config, "vae_config.")
+
+
+def check_runs_here(pipeline_config, vae: torch.nn.Module | None, video_shape, prefix: str = "vae_config.") -> None:
+    """Before any model loads, on the machine that will encode (the command line): ValueError, naming each field as
+    `prefix` + its name, when the switched-on encoder's options cannot encode a video of `video_shape` here: backend
+    'cuda' where torch sees no GPU or where the encode computes in fp32, or a max_memory below what the encode needs
+    in one-row tiles, planned from `vae` (the checkpoint's VAE on the meta device, `fast_decode.meta_vae`; None: not
+    planned)."""
+    opts = options(pipeline_config.vae_config, prefix)
+    if opts is None:
+        return
+    check_gpu_for(opts.backend, prefix + config_field("backend"))
+    _check_options(opts, pipeline_config, prefix)
+    if opts.max_memory is None or vae is None:
+        return
+    device, dtype = fast_decode.planning_device(), _computes_in(opts, pipeline_config)
+    config, prepared = weights_mod.meta_prepared(vae, device, TORCH_OPS.cpu_compute_layout,
+                                                 weights_mod.encoder_part(dtype))
+    s = config.spatial_scale
+    planner = memory.EncoderPlanner(prepared, config, device, dtype, (video_shape[3] % s, video_shape[4] % s),
+                                    opts.reuse_steady)
+    try:
+        memory.choose_plan(planner, encoded_shape(config, tuple(video_shape)), opts.frames_per_pass, None, False,
+                           memory.parse_bytes(opts.max_memory))
+    except ValueError as exc:
+        raise ValueError(f"{prefix}{config_field('max_memory')}={opts.max_memory!r} cannot encode this request on "
+                         f"{device.type}: {first_line(exc)}") from None
 
 
 # --------------------------------------------------------------------------------------------------- what it serves
