@@ -180,8 +180,9 @@ def test_a_request_without_an_image_is_text_to_video(server, image):
 
 
 def test_delete_skips_a_waiting_job_and_removes_a_video_made_or_being_made(server, image):
-    """DELETE /v1/videos/{id}: a job waiting for its turn is never generated, a running one's video is removed when
-    it ends, a completed one's at once (FastVideo only forgets the job: the waiting one ran, and every video stayed)."""
+    """DELETE /v1/videos/{id}: a job waiting for its turn is never generated, a running one stops at its next
+    denoising step (a video it finished first is removed), a completed one's video goes at once (FastVideo only
+    forgets the job: the waiting one ran, the running one ran on, and every video stayed)."""
     videos = server.output_dir / "videos"
     running = server.submit(image, prompt="a long one", **LONG_JOB).json()["id"]
     server.wait(running, until=("in_progress",), timeout_s=120)
@@ -192,7 +193,7 @@ def test_delete_skips_a_waiting_job_and_removes_a_video_made_or_being_made(serve
     assert later["status"] == "completed", later  # served after the running job ended, the deleted one skipped
     log = server.log.read_text(errors="replace")
     assert f"Video {waiting} was deleted before its turn: not generated" in log
-    assert f"Video {running} completed" in log  # it made its video, which its DELETE then removed
+    assert f"Video {running} was deleted while it ran" in log  # stopped (test_serve_hardening: at its next step)
     assert not (videos / f"{waiting}.mp4").exists() and not (videos / f"{running}.mp4").exists()
     made = Path(later["file_path"])
     assert made.exists() and server.client.delete(f"/v1/videos/{later['id']}").status_code == 200

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 TESTED_RELEASES = ("0.2.1",)  # the FastVideo releases this package's tests ran against (pyproject pins the range)
@@ -97,6 +99,8 @@ SEAMS = (
     Seam("fastvideo.registry", "_MODEL_NAME_DETECTORS", "FastVideo takes the first matching checkpoint detector in "
          "registration order; PAN2's must come before the Wan ones, which also match a PAN2 checkpoint"),
     Seam("fastvideo.registry", "get_model_info.cache_clear", "the detector order changed after a lookup was cached"),
+    Seam("fastvideo.registry", "get_pipeline_config_cls_from_name", "a plain serve config on a PAN2 checkpoint is "
+         "served with PAN2's rules: the config FastVideo picks for it says so"),
     Seam("fastvideo.api.presets", "_PRESET_REGISTRY", "register the pan2 preset once per process"),
     Seam("fastvideo.pipelines.pipeline_registry", "_import_pipeline_classes_cached", "pipeline classes come from a "
          "cached scan of fastvideo.pipelines.basic.*, which cannot see a plugin's class: wrapped to add it",
@@ -229,8 +233,14 @@ SEAMS = (
 # What a PAN2 server needs of FastVideo's HTTP server (its optional web stack: fastapi, uvicorn, aiofiles): checked
 # when a PAN2 server starts (`check_serving`), so a FastVideo without them still runs PAN2 everywhere else.
 SERVE_SEAMS = (
-    Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server is FastVideo's server",
-         mentions="create_app("),
+    Seam("fastvideo.entrypoints.openai.api_server", "run_server", "a PAN2 server runs what run_server runs (its "
+         "default_request check, create_app, uvicorn), with PAN2's HTTP limits as uvicorn's options (FastVideo's: "
+         "httptools, no header bound, a 300 s keep-alive)", mentions="uvicorn.run("),
+    Seam("fastvideo.entrypoints.openai.video_api", "download_video_content", "GET /v1/videos/{id}/content serves "
+         "whatever is at the job's file_path, links followed: PAN2's route, matched before it, serves only the file "
+         "the job wrote", replaced=True, mentions="FileResponse("),
+    Seam("fastvideo.entrypoints.openai.utils", "_save_upload_to_path", "reads an upload whole into memory: PAN2 "
+         "copies it in chunks", replaced=True, mentions="await upload.read()"),
     Seam("fastvideo.entrypoints.openai.api_server", "_validate_default_request_against_preset", "a scaled-out PAN2 "
          "server checks its default_request as run_server does, before any replica starts"),
     Seam("fastvideo.entrypoints.openai.api_server", "create_app", "PAN2's /health replaces FastVideo's (always "
@@ -531,32 +541,33 @@ def validated_serve_config_of(args):
     return getattr(args, serve._VALIDATED_SERVE_CONFIG_ATTR)
 
 
-def run_video_server(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
-                     deleted: Callable) -> None:
-    """FastVideo's REST server for `config` (a ServeConfig), with `check_request(request_id, req, original)` in
-    place of its request-to-kwargs step (returns the kwargs, or raises fastapi's HTTPException), `run_job(request_id,
-    kwargs)` (a coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
-    `deleted(job)` called with each job a DELETE removed from the job store, and `stopped()` called after
-    FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing runs later). Returns when the server
+def run_video_server(config, *, uvicorn_options: dict, **parts) -> None:
+    """FastVideo's REST server for `config` (a ServeConfig), run as its run_server runs it (the default_request
+    check, create_app, uvicorn) with `parts` in place of its own (`_replace_server_parts`) and uvicorn run with
+    `uvicorn_options` (FastVideo's own: httptools, no header bound, a 300 s keep-alive). Returns when the server
     stops."""
+    import uvicorn
     from fastvideo.api.compat import generator_config_to_fastvideo_args
     from fastvideo.entrypoints.openai import api_server
 
-    _replace_server_parts(check_request, run_job, health, stopped, deleted)
+    _replace_server_parts(**parts)
     server = config.server
-    api_server.run_server(generator_config_to_fastvideo_args(config.generator), host=server.host, port=server.port,
-                          output_dir=server.output_dir, default_request=config.default_request)
+    check_default_request(config)
+    app = api_server.create_app(generator_config_to_fastvideo_args(config.generator), output_dir=server.output_dir,
+                                default_request=config.default_request)
+    logger.info("Starting FastVideo server (PAN2) on %s:%d; model %s", server.host, server.port,
+                config.generator.model_path)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="info", **uvicorn_options)
 
 
-def video_server_app(config, *, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
-                     deleted: Callable):
+def video_server_app(config, **parts):
     """The ASGI app `run_video_server` serves (the same replacements), for an engine that runs apps itself (a Ray
     Serve replica): the model loads in its lifespan's startup, `stopped()` runs after its shutdown. Check
     `config.default_request` first (`check_default_request`), as FastVideo's run_server does."""
     from fastvideo.api.compat import generator_config_to_fastvideo_args
     from fastvideo.entrypoints.openai import api_server
 
-    _replace_server_parts(check_request, run_job, health, stopped, deleted)
+    _replace_server_parts(**parts)
     return api_server.create_app(generator_config_to_fastvideo_args(config.generator),
                                  output_dir=config.server.output_dir, default_request=config.default_request)
 
@@ -569,9 +580,15 @@ def check_default_request(config) -> None:
         api_server._validate_default_request_against_preset(config.default_request, config.generator.model_path)
 
 
-def _replace_server_parts(check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
-                          deleted: Callable) -> None:
-    """The replacements of `run_video_server`, in this process's FastVideo server modules."""
+def _replace_server_parts(*, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
+                          deleted: Callable, content: Callable, middleware=()) -> None:
+    """In this process's FastVideo server modules: `check_request(request_id, req, original)` in place of its
+    request-to-kwargs step (returns the kwargs, or raises fastapi's HTTPException), `run_job(request_id, kwargs)` (a
+    coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
+    `content(video_id)` as GET /v1/videos/{video_id}/content, `deleted(job)` called with each job a DELETE removed
+    from the job store, `stopped()` called after FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing
+    runs later), each `(middleware class, its options)` around the app (the first outermost), and uploads copied to
+    their file in chunks."""
     import contextlib
 
     from fastvideo.entrypoints.openai import api_server, video_api
@@ -586,7 +603,7 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
         async def save_image_to_path(image, target_path: str) -> str:
             path = _in_uploads(target_path)
             try:
-                saved = await save(image, path)
+                saved = await (save(image, path) if isinstance(image, str) else _save_upload(image, path))
             except BaseException:
                 for written in glob.glob(glob.escape(path) + "*"):  # what a failed save wrote (it may add a suffix)
                     Path(written).unlink(missing_ok=True)
@@ -617,7 +634,12 @@ def _replace_server_parts(check_request: Callable, run_job: Callable, health: Ca
             app = original(*args, **kwargs)
             app.router.routes[:] = [r for r in app.router.routes if not _unserved(r)]
             app.add_api_route("/health", health, methods=["GET"])
+            # Before FastVideo's video routes (FastAPI keeps its router whole): matched first.
+            app.add_api_route("/v1/videos/{video_id}/content", content, methods=["GET"])
+            app.router.routes.insert(0, app.router.routes.pop())
             app.add_middleware(_UploadGuard)
+            for cls, options in reversed(middleware):  # Starlette's last added is the outermost
+                app.add_middleware(cls, **options)
             fastvideo_lifespan = app.router.lifespan_context
 
             @contextlib.asynccontextmanager
@@ -670,8 +692,7 @@ class _UploadGuard:
                 Path(upload).unlink(missing_ok=True)
             if statuses:  # the answer had started: nothing more can be said
                 raise
-            line = (str(exc).strip().splitlines() or [""])[0]
-            await JSONResponse({"detail": f"invalid request: {type(exc).__name__}: {line}"}, status_code=400)(
+            await JSONResponse({"detail": f"invalid request: {first_line(exc, with_type=True)}"}, status_code=400)(
                 scope, receive, send)
             return
         finally:
@@ -723,6 +744,42 @@ def _in_uploads(target_path: str) -> str:
     if not target_path.startswith(uploads + os.sep):
         raise ValueError(f"an upload must be stored in {uploads}")
     return os.path.join(uploads, re.sub(r"[^\w.-]", "_", target_path[len(uploads) + 1:]))
+
+
+async def _save_upload(upload, path: str) -> str:
+    """FastVideo's save of an uploaded file, but copied in chunks (FastVideo reads it whole into memory) into a file
+    created exclusively, never through a link, in a folder below output_dir reached without one."""
+    from fastvideo_pan2_ext.video_io import open_folder
+
+    folder = open_folder(os.path.dirname(path), served_output_dir())
+    try:
+        fd = os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=folder)
+    finally:
+        os.close(folder)
+    with os.fdopen(fd, "wb") as out:
+        await upload.seek(0)
+        while chunk := await upload.read(1 << 20):  # Starlette spooled it to disk past 1 MiB
+            out.write(chunk)
+    return path
+
+
+async def served_job(request_id: str) -> dict | None:
+    """The server's job `request_id` (what GET /v1/videos/{id} answers), or None."""
+    from fastvideo.entrypoints.openai.stores import VIDEO_STORE
+
+    return await VIDEO_STORE.get(request_id)
+
+
+def pipeline_config_class(model_path: str):
+    """The pipeline config class FastVideo's registry picks for `model_path` (by a registered hub id or name, or the
+    checkpoint's manifest), or None where it finds none (or cannot look: a hub id offline)."""
+    from fastvideo.registry import get_pipeline_config_cls_from_name
+
+    try:
+        return get_pipeline_config_cls_from_name(model_path)
+    except Exception:  # noqa: BLE001 - any failure to look is "not known": FastVideo reports its own later
+        return None
 
 
 def served_generator():

@@ -11,8 +11,9 @@ import torch
 from fastvideo_pan2_ext.attention import ENV_VAR, apply_fa4_policy
 from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
-from . import adapter, checkpoint, request_failure
+from . import adapter, cancel, checkpoint, request_failure
 from .stages import (PAN2ConditionStage, PAN2DecodingStage, PAN2DenoisingStage, PAN2InputStage,
                      PAN2LatentPreparationStage, PAN2TextEncodingStage)
 
@@ -54,15 +55,22 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
 
     def forward(self, batch, fastvideo_args):
         # Several ranks: one that failed alone would leave the others waiting in a collective; they all stop instead,
-        # as in FastVideo (/health then says so).
-        if fastvideo_args.num_gpus > 1 or not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
+        # as in FastVideo (/health then says so). A JobCancelled fails alone there too: every rank raises it at the
+        # same step (`cancel.check`).
+        if not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
             return super().forward(batch, fastvideo_args)
         try:
             return super().forward(batch, fastvideo_args)
         except Exception as exc:  # not an interrupt: this request fails, the worker serves the next one
-            logger.exception("PAN2 request failed in the worker; the worker stays up")
+            cancelled = isinstance(exc, cancel.JobCancelled)  # raised by every rank at the same step
+            if fastvideo_args.num_gpus > 1 and not cancelled:
+                raise
+            if cancelled:
+                logger.info("PAN2 request stopped in the worker (%s); the worker stays up", exc)
+            else:
+                logger.exception("PAN2 request failed in the worker; the worker stays up")
             batch.output = torch.empty(0)
-            batch.extra[request_failure.FAILURE_KEY] = request_failure.one_line(exc)
+            batch.extra[request_failure.FAILURE_KEY] = first_line(exc, with_type=True)
             return batch
 
 

@@ -23,11 +23,6 @@ class RequestFailed(RuntimeError):
     """A request failed in the worker, which stays up; the message is the error's one line."""
 
 
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 @contextlib.contextmanager
 def failing_alone():
     """The requests this thread makes inside the block fail alone."""

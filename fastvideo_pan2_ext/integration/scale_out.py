@@ -34,6 +34,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
+
 APP_NAME = "pan2"
 DEPLOYMENT = "PAN2Server"
 # The header Ray Serve's proxy reads a request's session from (Ray's own variable, default x-session-id; Ray treats
@@ -130,7 +132,7 @@ def run(make_app: Callable[[], tuple], *, replicas: int, gpus_per_replica: int, 
         try:
             serve.run(deployment.bind(make_app), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:  # DEPLOY_FAILED: a replica kept failing to start
-            raise StartFailed(f"the replicas did not start ({str(exc).splitlines()[0]}); their errors are above") \
+            raise StartFailed(f"the replicas did not start ({first_line(exc)}); their errors are above") \
                 from None
         print(f"PAN2: {replicas} replicas ready behind http://{host}:{port} (Ray Serve; {gpus} GPU(s) each); a job's "
               f"requests carry one {SESSION_HEADER} header", flush=True)

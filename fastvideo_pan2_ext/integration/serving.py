@@ -1,7 +1,8 @@
 """``fastvideo serve`` for PAN2 (docs/design.md, "Serving"; what is patched and why: docs/fastvideo.md).
 
-A serve config with ``pipeline: pan2`` at its top (or ``fastvideo serve --pipeline pan2 --config ...``) runs
-FastVideo 0.2.1's REST server (``POST /v1/videos``, ``GET /v1/videos/{id}/content``) on PAN2, with these rules:
+A serve config with ``pipeline: pan2`` at its top (or ``fastvideo serve --pipeline pan2 --config ...``), or any
+serve config whose ``model_path`` is a PAN2 checkpoint (`serves_pan2`), runs FastVideo 0.2.1's REST server
+(``POST /v1/videos``, ``GET /v1/videos/{id}/content``) on PAN2, with these rules:
 
 - One job at a time: FastVideo runs each job's synchronous ``generate_video`` in the default thread pool, and its
   executor sends and receives on one worker pipe without a lock, so concurrent jobs read each other's replies (each
@@ -11,9 +12,13 @@ FastVideo 0.2.1's REST server (``POST /v1/videos``, ``GET /v1/videos/{id}/conten
   to the nearest 4k + 1 frames or refused with the two counts) runs at submission: a bad request is a 400 with one
   line, and never reaches a worker. A request that still fails in the worker fails alone (`request_failure`); the
   worker serves the next one. ``/health`` answers 503 when a worker process is gone.
+- What one request may cost (`ServingRules`, `LIMITS`: operator keys under ``server:``): its size, frames and steps
+  (400), the jobs waiting (429), and at the HTTP layer (`http_limits`) its body, headers and their times (413, 431,
+  408). ``DELETE`` of a running job stops it at its next denoising step (`cancel`).
 - Files: a request's ``input_reference`` path is read only when it is the image the client sent (multipart upload,
   ``reference_url``) or, if the operator names one (``server.input_dir``), a file under that folder; a request's
-  ``output_path`` must be a folder under ``server.output_dir``. Uploads are removed when their job ends (or
+  ``output_path`` must be a folder under ``server.output_dir``; no link below it is followed when a video is
+  written, and a job's content is only the file it wrote (`content`). Uploads are removed when their job ends (or
   ``server.upload_retention_s`` seconds later). The host defaults to 127.0.0.1.
 - The video is saved while it is decoded (`streamed_save`): the request asks for no frames back.
 - Stopping (Ctrl-C, SIGTERM): after FastVideo's shutdown the workers are stopped, partial videos and the jobs'
@@ -30,18 +35,22 @@ import functools
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import DEFAULT_FPS, DEFAULT_HEIGHT, DEFAULT_NUM_FRAMES, DEFAULT_WIDTH, \
-    check_frame_count
+    PAN2PipelineConfig, check_frame_count
 from fastvideo_pan2_ext.image import check_size, cover_size, load_image
-from fastvideo_pan2_ext.video_io import check_writable
+from fastvideo_pan2_ext.video_io import check_writable, open_folder, open_written, remove_video
+from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
-from . import adapter, cli, decode_failure, request_failure, streamed_save
+from . import adapter, cancel, cli, decode_failure, http_limits, request_failure, streamed_save
+from .checkpoint import NotPAN2CheckpointError, looks_like_pan2, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +59,61 @@ LOOPBACK = "127.0.0.1"
 _SERVING = "_pan2_serving"  # the namespace attribute: the ServingRules of a PAN2 server (cmd reads it)
 
 
+MAX_FRAMES = 481  # PAN2's trained range: 20 s at 24 fps
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingRules:
     """What a PAN2 server may read and write: `output_dir` (resolved), the operator's `input_dir` (None: only the
-    images clients send), and how long an upload outlives its job."""
+    images clients send), and how long an upload outlives its job; and what one request may cost (`LIMITS`: PAN2's
+    trained ranges and sizes no single request can exhaust a machine with, by default; an operator may raise them)."""
 
     output_dir: Path
     input_dir: Path | None = None
     upload_retention_s: float = 0.0
+    max_pixels: int = DEFAULT_HEIGHT * DEFAULT_WIDTH  # width x height: 704x1248, PAN2's trained area
+    max_frames: int = MAX_FRAMES
+    max_steps: int = 100
+    max_queued_jobs: int = 16  # waiting for their turn (the running one aside); past it, a 429
+    max_upload_bytes: int = 50_000_000  # a multipart body (the image): streamed to disk
+    max_body_bytes: int = 8 * 2**20  # any other body (JSON, a data-URL image in it): read whole by FastVideo
+    max_header_bytes: int = 64 * 2**10
+    header_timeout_s: float = 10.0  # a request's headers all in (slowloris); also an idle connection's keep-alive
+    body_timeout_s: float = 120.0  # a request's body all in (a slow upload): 50 MB needs 420 kB/s
+    max_connections: int = 64  # uvicorn's limit_concurrency: past it, a 503
 
     @classmethod
-    def from_config(cls, output_dir: str, input_dir=None, upload_retention_s=0.0) -> ServingRules:
+    def from_config(cls, output_dir: str, input_dir=None, upload_retention_s=0.0, **limits) -> ServingRules:
         if input_dir is not None and not (isinstance(input_dir, str) and Path(input_dir).is_dir()):
             raise ValueError(f"server.input_dir must be an existing folder; got {input_dir!r}")
-        if isinstance(upload_retention_s, bool) or not isinstance(upload_retention_s, (int, float)) \
-                or not math.isfinite(upload_retention_s) or upload_retention_s < 0:
-            raise ValueError(f"server.upload_retention_s must be a number of seconds >= 0; got {upload_retention_s!r}")
+        _check_number("upload_retention_s", upload_retention_s, zero=True)
+        for name, value in limits.items():
+            if name not in LIMITS:
+                raise ValueError(f"unknown server option {name!r}")
+            _check_number(name, value, whole=not name.endswith("_s"))
         out = Path(output_dir).resolve()
-        check_writable(out / "videos" / "video.mp4")
-        return cls(out, Path(input_dir).resolve() if input_dir else None, float(upload_retention_s))
+        check_writable(out / "videos" / "video.mp4", root=out)
+        return cls(out, Path(input_dir).resolve() if input_dir else None, float(upload_retention_s),
+                   **{name: value if not name.endswith("_s") else float(value) for name, value in limits.items()})
+
+    def options(self) -> dict:
+        """The `server:` keys that make these rules (for `from_config` in another process)."""
+        return {**{name: getattr(self, name) for name in OPTIONS}, "input_dir": str(self.input_dir) if
+                self.input_dir else None}
+
+
+def _check_number(name: str, value, whole: bool = False, zero: bool = False) -> None:
+    """ValueError naming `server.<name>` unless `value` is a finite number (whole, if `whole`) over 0 (or 0, if
+    `zero`)."""
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < 0 \
+            or (value == 0 and not zero):
+        what = "a whole number >= 1" if whole else f"a number of seconds {'>= 0' if zero else '> 0'}"
+        raise ValueError(f"server.{name} must be {what}; got {value!r}")
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(ServingRules) if f.name != "output_dir")  # keys of `server:`
+LIMITS = OPTIONS[OPTIONS.index("max_pixels"):]  # what one request may cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +154,19 @@ def _within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def _allow_open_files() -> None:
+    """Every completed job's video is held open until the job is deleted (`PAN2Server._written`): the soft limit
+    on open files is raised to the hard one, as servers that hold many files do."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # the soft limit stays; a server with very many jobs may run out
+            logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, first_line(exc))
+
+
 class PAN2Server:
     """The rules above, for one server process (FastVideo's video API calls `check_request`, `run_job`, `health`)."""
 
@@ -120,7 +175,14 @@ class PAN2Server:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pan2-job")
         self._turn: asyncio.Lock | None = None  # made in the server's event loop
         self._uploads: dict[str, Path] = {}  # request id -> the image its client sent
-        self._running: dict[str, Path] = {}  # request id -> its video, until the job's end is recorded
+        self._queued: set[str] = set()  # accepted jobs waiting for their turn
+        self._running: dict[str, tuple[Path, cancel.CancelFlag]] = {}  # request id -> its video and stop flag
+        # request id -> (the video_io.WrittenFile of its completed job, a read descriptor of that file held open: an
+        # inode in use is never reused, so (device, inode) names that file alone until the job is deleted)
+        self._written: dict[str, tuple[object, int]] = {}
+        _allow_open_files()
+        self._flags = Path(tempfile.mkdtemp(prefix="pan2-jobs-"))  # the jobs' stop flags (mode 0700)
+        streamed_save.confine_outputs(rules.output_dir)  # no video of this process is written through a link
 
     # ------------------------------------------------------------------------------------------- submission
 
@@ -134,10 +196,16 @@ class PAN2Server:
         return path if path.parent == uploads and path.name.startswith(f"{request_id}_") else None
 
     def check_request(self, request_id: str, req, build):
-        """The job's generate_video kwargs (FastVideo's `build()`), or a 400 naming the first problem."""
+        """The job's generate_video kwargs (FastVideo's `build()`), or a 400 naming the first problem (a 429 when
+        `max_queued_jobs` wait already)."""
         from fastapi import HTTPException
 
         upload = self._upload_of(request_id, req)
+        if len(self._queued) >= self.rules.max_queued_jobs:
+            if upload is not None:
+                upload.unlink(missing_ok=True)
+            raise HTTPException(status_code=429, detail=f"{len(self._queued)} jobs are waiting, this server's limit "
+                                f"(server.max_queued_jobs): submit again later")
         try:
             self._check_output_path(req)
             kwargs = build()
@@ -146,20 +214,22 @@ class PAN2Server:
         except (ValueError, OSError) as exc:
             if upload is not None:
                 upload.unlink(missing_ok=True)
-            raise HTTPException(status_code=400, detail=str(exc).splitlines()[0] if str(exc) else
-                                type(exc).__name__) from None
+            raise HTTPException(status_code=400, detail=first_line(exc)) from None
         if upload is not None:
             self._uploads[request_id] = upload
+        self._queued.add(request_id)
         return kwargs
 
     def _check_output_path(self, req) -> None:
         if "output_path" not in req.model_fields_set or not req.output_path:
             return
-        folder = (self.rules.output_dir / req.output_path).resolve()  # an absolute path stays itself
+        # Lexical (an absolute path stays itself): a link below output_dir is refused, never followed.
+        folder = Path(os.path.normpath(self.rules.output_dir / req.output_path))
         if not _within(folder, self.rules.output_dir):
             raise ValueError(f"output_path must be a folder under the server's output_dir ({self.rules.output_dir}); "
                              f"got {req.output_path!r}")
-        req.output_path = str(folder)
+        os.close(open_folder(folder, self.rules.output_dir))  # made here, without following a link (FastVideo's
+        req.output_path = str(folder)  # makedirs then finds it)
 
     def _check_inputs(self, req, kwargs: dict, upload: Path | None) -> None:
         image = kwargs.get("image_path")  # None: text-to-video
@@ -173,47 +243,84 @@ class PAN2Server:
             image = kwargs["image_path"] = str(resolved)  # what was checked is what the worker opens
         height, width = kwargs.get("height", DEFAULT_HEIGHT), kwargs.get("width", DEFAULT_WIDTH)
         check_size(height, width)
-        if image is not None:
-            img = load_image(image)  # reads it fully: unreadable, truncated or oversized images fail here
-            cover_size(img.width, img.height, height, width)
+        self._check_limits(width * height, "max_pixels", f"size {width}x{height} ({width * height} pixels)")
         fps = kwargs.get("fps", DEFAULT_FPS)
         if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
             raise ValueError(f"fps must be a whole number >= 1; got {fps!r}")
         if req.num_frames is None and "seconds" in req.model_fields_set:  # multipart always sets seconds (4)
             kwargs["num_frames"] = frames_for_seconds(req.seconds, fps)
-        check_frame_count(kwargs.get("num_frames", DEFAULT_NUM_FRAMES))
+        frames = kwargs.get("num_frames", DEFAULT_NUM_FRAMES)
+        check_frame_count(frames)
+        self._check_limits(frames, "max_frames", f"num_frames {frames}")
+        steps = kwargs.get("num_inference_steps")  # None: PAN2's default
+        if steps is not None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"num_inference_steps must be a whole number >= 1; got {steps!r}")
+            self._check_limits(steps, "max_steps", f"num_inference_steps {steps}")
+        if image is not None:  # last: the costliest check
+            img = load_image(image)  # reads it fully: unreadable, truncated or oversized images fail here
+            cover_size(img.width, img.height, height, width)
+
+    def _check_limits(self, value: int, limit: str, what: str) -> None:
+        if value > getattr(self.rules, limit):
+            raise ValueError(f"{what} is over this server's limit of {getattr(self.rules, limit)} (server.{limit})")
 
     # ------------------------------------------------------------------------------------------- jobs
 
     async def run_job(self, request_id: str, kwargs: dict) -> None:
-        """Wait for the turn (arrival order), run the job, record how it ended, drop its upload."""
+        """Wait for the turn (arrival order), run the job, record how it ended (and the file it wrote), drop its
+        upload. A DELETE while it runs sets its flag: it stops at its next denoising step (`cancel`)."""
         if self._turn is None:
             self._turn = asyncio.Lock()
         try:
             async with self._turn:
+                self._queued.discard(request_id)
+                flag = cancel.CancelFlag(str(self._flags / request_id))
+                self._running[request_id] = (Path(kwargs["output_path"]), flag)  # before a DELETE can see it run
                 if not await adapter.update_job(request_id, {"status": "in_progress", "progress": 0}):
+                    self._running.pop(request_id, None)
                     logger.info("Video %s was deleted before its turn: not generated", request_id)
                     return
-                self._running[request_id] = Path(kwargs["output_path"])
                 start = time.perf_counter()
+                result, error = None, None
                 try:
-                    await asyncio.get_running_loop().run_in_executor(self._thread, self._generate, kwargs)
+                    result = await asyncio.get_running_loop().run_in_executor(self._thread, self._generate, kwargs,
+                                                                              flag)
                     update = {"status": "completed", "progress": 100, "completed_at": int(time.time()),
                               "inference_time_s": time.perf_counter() - start}
-                    logger.info("Video %s completed in %.2fs", request_id, update["inference_time_s"])
                 except Exception as exc:  # this job failed; the server goes on
+                    error = exc
                     update = {"status": "failed", "error": {"message": self._reason(exc)}}
-                    logger.error("Video %s failed: %s", request_id, update["error"]["message"], exc_info=exc)
                 kept = await adapter.update_job(request_id, update)
-                video = self._running.pop(request_id, None)
-                if video is not None and not kept:  # deleted while it ran: its video goes too
-                    video.unlink(missing_ok=True)
+                self._running.pop(request_id, None)
+                flag.clear()
+                written = result.get(streamed_save.WRITTEN_KEY) if isinstance(result, dict) else None
+                if not kept:  # deleted while it ran: its video goes too
+                    logger.info("Video %s was deleted while it ran: %s", request_id, "stopped" if error else
+                                "its video removed")
+                    if written is not None:
+                        remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
+                elif error is not None:
+                    logger.error("Video %s failed: %s", request_id, update["error"]["message"], exc_info=error)
+                else:
+                    if written is not None:  # FastVideo's save may have chosen another name (`name_1.mp4`)
+                        self._keep(request_id, written)
+                        await adapter.update_job(request_id, {"file_path": written.path})
+                    logger.info("Video %s completed in %.2fs", request_id, update["inference_time_s"])
         finally:
             self._drop_upload(request_id)
 
+    def _keep(self, request_id: str, written) -> None:
+        """Remember the video a completed job wrote, holding it open (see `_written`)."""
+        try:
+            self._written[request_id] = (written, open_written(written, self.rules.output_dir))
+        except OSError as exc:  # replaced or removed already: never served (`content` says so)
+            logger.warning("Video %s: its file %s changed before it could be kept: %s", request_id, written.path,
+                           first_line(exc))
+
     @staticmethod
-    def _generate(kwargs: dict):
-        with request_failure.failing_alone():
+    def _generate(kwargs: dict, flag: cancel.CancelFlag):
+        with request_failure.failing_alone(), cancel.cancellable(flag):
             return adapter.served_generator().generate_video(**kwargs)
 
     @staticmethod
@@ -230,7 +337,7 @@ class PAN2Server:
         if any(isinstance(each, (EOFError, ConnectionError)) for each in chain):
             return "a worker process stopped (its error is in the server log); this server cannot generate until " \
                    "it is restarted"
-        return request_failure.one_line(chain[-1])
+        return first_line(chain[-1], with_type=True)
 
     def _drop_upload(self, request_id: str) -> None:
         upload = self._uploads.pop(request_id, None)
@@ -242,16 +349,63 @@ class PAN2Server:
             upload.unlink(missing_ok=True)
 
     def deleted(self, job: dict) -> None:
-        """After DELETE /v1/videos/{id} removed `job`: a completed job's video goes, a waiting one's upload (the job
-        is not run when its turn comes, and a running one loses its video when it ends: `run_job`)."""
+        """After DELETE /v1/videos/{id} removed `job`: a completed job's video goes (the file it wrote, never through
+        a link), a waiting one's upload (the job is not run when its turn comes), a running one stops at its next
+        denoising step (its flag set; `run_job` then removes whatever it wrote)."""
+        request_id = job.get("id", "")
         if job.get("status") == "queued":
-            self._drop_upload(job.get("id", ""))
-        video = job.get("file_path")
-        if video and job.get("status") == "completed":
+            self._queued.discard(request_id)
+            self._drop_upload(request_id)
+        if request_id in self._running:
+            self._running[request_id][1].set()
+            logger.info("Video %s deleted while it runs: it stops at its next denoising step", request_id)
+        written, pin = self._written.pop(request_id, (None, None))
+        if written is not None:
+            os.close(pin)
             try:
-                Path(video).unlink(missing_ok=True)
+                remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
             except OSError as exc:  # the job is gone all the same; the file stays, and the log says so
-                logger.warning("Video %s deleted, but its file %s could not be removed: %s", job.get("id"), video, exc)
+                logger.warning("Video %s deleted, but its file %s could not be removed: %s", request_id, written.path,
+                               exc)
+
+    async def content(self, video_id: str):
+        """GET /v1/videos/{id}/content: the regular file this server wrote for the job, opened without following a
+        link and only while it is that very file (FastVideo serves whatever is at the job's path, links followed)."""
+        from fastapi import HTTPException
+        from fastapi.responses import StreamingResponse
+
+        job = await adapter.served_job(video_id)
+        if not job:
+            raise HTTPException(status_code=404, detail="Video not found")
+        written, _ = self._written.get(video_id, (None, None))
+        if written is None and job.get("status") != "completed":
+            if job.get("status") == "failed":
+                raise HTTPException(status_code=500, detail="Video generation failed")
+            raise HTTPException(status_code=404, detail="Video still being generated")
+        try:
+            if written is None:
+                raise OSError("gone before the job completed")
+            fd = open_written(written, self.rules.output_dir)
+        except OSError:
+            raise HTTPException(status_code=404, detail=f"the video of {video_id} is no longer the file this server "
+                                "wrote (replaced or removed)") from None
+        size = os.fstat(fd).st_size
+
+        def chunks():
+            with os.fdopen(fd, "rb") as file:  # closed however the download ends
+                while chunk := file.read(1 << 20):
+                    yield chunk
+
+        return StreamingResponse(chunks(), media_type="video/mp4", headers={
+            "content-length": str(size), "content-disposition": f'attachment; filename="{Path(written.path).name}"'})
+
+    def parts(self) -> dict:
+        """What FastVideo's server gets from this one (`adapter.run_video_server`, `adapter.video_server_app`)."""
+        r = self.rules
+        return dict(check_request=self.check_request, run_job=self.run_job, health=self.health, stopped=self.stopped,
+                    deleted=self.deleted, content=self.content, middleware=[(http_limits.BodyLimits, dict(
+                        max_upload_bytes=r.max_upload_bytes, max_body_bytes=r.max_body_bytes,
+                        body_timeout_s=r.body_timeout_s))])
 
     # ------------------------------------------------------------------------------------------- health, stop
 
@@ -279,9 +433,10 @@ class PAN2Server:
         cli.stop_workers()
         streamed_save.remove_left_partials()
         for request_id in list(self._running):  # its job never ended: a video finished during the shutdown goes too
-            self._running.pop(request_id).unlink(missing_ok=True)
+            remove_video(self._running.pop(request_id)[0], self.rules.output_dir)
         for request_id in list(self._uploads):
             self._uploads.pop(request_id).unlink(missing_ok=True)
+        shutil.rmtree(self._flags, ignore_errors=True)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
@@ -302,11 +457,12 @@ def _pan2_serve_config(raw: dict):
     cli.select_pan2(raw["generator"])
     config = adapter.validated_serve_config(raw)
     rules = ServingRules.from_config(config.server.output_dir, **options)
+    # Resolved once, here: the jobs' paths are then below it as written (no link is followed below it), and the
+    # replicas, which run in Ray's working folder, get this command's.
+    config.server.output_dir = str(rules.output_dir)
     if replicas.replicas is not None:
         _scale_out()  # Ray Serve is there
         adapter.check_default_request(config)  # before any replica loads a model
-        # The replicas run in Ray's working folder: the paths are this command's.
-        config.server.output_dir = str(rules.output_dir)
         if os.path.exists(config.generator.model_path):
             config.generator.model_path = os.path.abspath(config.generator.model_path)
     else:
@@ -328,13 +484,25 @@ def served_app(config, rules: ServingRules):
     """What each replica of a scaled-out server runs (`scale_out`), in its own process: a PAN2 server's ASGI app for
     `config` (the model loads in its lifespan) and its `unhealthy()` check. The rules are checked again here (this
     replica's machine must have the folders)."""
-    rules = ServingRules.from_config(str(rules.output_dir), str(rules.input_dir) if rules.input_dir else None,
-                                     rules.upload_retention_s)
+    rules = ServingRules.from_config(str(rules.output_dir), **rules.options())
     apply_fa4_policy()  # in the replica, so the workers it spawns inherit the decision
     server = PAN2Server(rules)
-    app = adapter.video_server_app(config, check_request=server.check_request, run_job=server.run_job,
-                                   health=server.health, stopped=server.stopped, deleted=server.deleted)
-    return app, server.unhealthy
+    return adapter.video_server_app(config, **server.parts()), server.unhealthy
+
+
+def serves_pan2(model_path) -> bool:
+    """Whether FastVideo runs PAN2 for `model_path`, whatever the serve config names: a folder whose manifest's
+    `_class_name` is PAN2's, or a model FastVideo's registry gives `PAN2PipelineConfig` (the hub id)."""
+    if not isinstance(model_path, str) or not model_path:
+        return False
+    if os.path.isdir(model_path):
+        try:
+            if looks_like_pan2(str(read_manifest(model_path).get("_class_name"))):
+                return True
+        except NotPAN2CheckpointError:  # no manifest: FastVideo's own error comes
+            return False
+    config_class = adapter.pipeline_config_class(model_path)  # e.g. by the folder's or the hub id's name
+    return config_class is not None and issubclass(config_class, PAN2PipelineConfig)
 
 
 def _validate(args, fastvideo_validate) -> None:
@@ -343,8 +511,12 @@ def _validate(args, fastvideo_validate) -> None:
     try:
         raw = adapter.raw_serve_config(args.config, getattr(args, "_unknown", None))
         name = raw.pop("pipeline", None) or getattr(args, "pipeline", None)
-        if name is None:
+        if name is None and not serves_pan2(raw.get("generator", {}).get("model_path")):
             return fastvideo_validate(args)
+        if name is None:  # a plain config on a PAN2 checkpoint: PAN2's rules all the same
+            logger.info("%s is a PAN2 checkpoint: served with PAN2's rules, as with `pipeline: %s`",
+                        raw["generator"]["model_path"], PIPELINE_NAME)
+            name = PIPELINE_NAME
         if name != PIPELINE_NAME:
             cli.fail("serve", f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
         adapter.check_serving()
@@ -372,9 +544,9 @@ def _run(args, fastvideo_run) -> None:
         return
     server = PAN2Server(rules)
     try:
-        adapter.run_video_server(config, check_request=server.check_request,
-                                 run_job=server.run_job, health=server.health, stopped=server.stopped,
-                                 deleted=server.deleted)
+        adapter.run_video_server(config, **server.parts(), uvicorn_options=http_limits.uvicorn_options(
+            max_header_bytes=rules.max_header_bytes, header_timeout_s=rules.header_timeout_s,
+            max_connections=rules.max_connections))
     finally:  # a second Ctrl-C skips FastVideo's shutdown (uvicorn's forced exit)
         server.stopped()
 

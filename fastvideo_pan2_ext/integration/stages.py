@@ -25,7 +25,7 @@ from PIL import Image
 from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
 from fastvideo_pan2_ext.model.architecture import LATENT_CHANNELS
 
-from . import adapter, decode_failure, fast_decode, kept_latents, streamed_save
+from . import adapter, cancel, decode_failure, fast_decode, kept_latents, streamed_save
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class PAN2DenoisingStage(adapter.symbol("PipelineStage")):
         guidance = batch.guidance_scale
         trajectory = []
         for i, t in enumerate(self.scheduler.timesteps):
+            cancel.check(batch, i, steps)  # a served job deleted while it runs stops here (JobCancelled)
             model_input = torch.cat([latents.to(dit_dtype), condition], dim=1)
             timestep = t.expand(latents.shape[0]).to(latents.device)
             velocity = self._velocity(model_input, batch.prompt_embeds[0], timestep, i, batch)
