@@ -155,6 +155,41 @@ def fake_flash_attn(folder: Path) -> Path:
     return folder
 
 
+RECORDING_FA4 = textwrap.dedent("""
+    import torch
+
+    calls = []  # the q shape [B, S, H, D] of each call
+
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, **kwargs):
+        calls.append(list(q.shape))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+        scale = q.shape[-1]**-0.5 if softmax_scale is None else softmax_scale
+        lse = torch.logsumexp(q.float() @ k.float().transpose(-1, -2) * scale, dim=-1)
+        return out.transpose(1, 2).contiguous(), lse
+
+
+    def _flash_attn_bwd(*args, **kwargs):
+        raise NotImplementedError("the stand-in FA4 runs forward only")
+
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, **kwargs):
+        return _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)[0]
+""")
+
+
+def recording_fa4(folder: Path) -> Path:
+    """A stand-in FA4 installed as flash-attn-4 installs it (`flash_attn.cute` only, no FA2 beside it), whose kernel
+    entry point (`flash_attn.cute.interface._flash_attn_fwd`, what FastVideo calls) records each call in `calls` and
+    computes the attention with torch's SDPA. Put `folder` on sys.path."""
+    cute = folder / "flash_attn" / "cute"
+    cute.mkdir(parents=True, exist_ok=True)
+    (cute / "interface.py").write_text(RECORDING_FA4)
+    (cute / "__init__.py").write_text("from .interface import flash_attn_func  # noqa: F401\n")
+    return folder
+
+
 def run(cmd: list[str], *, env_extra: dict[str, str] | None = None, cwd: Path | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)

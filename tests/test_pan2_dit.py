@@ -1,21 +1,24 @@
 """PAN2's DiT in FastVideo (`fastvideo_pan2_ext.model`): the real configuration's size and weight names, the loader's
 view of a checkpoint (FastVideo's own `TransformerLoader`, on a tiny random checkpoint with IFM's fp32/bf16 layout),
 the numbers against the plain-torch reference (`fastvideo_pan2_ext.reference.pan2_transformer`) in fp32 and bf16,
-and sequence parallelism over two gloo ranks against one rank.
+sequence parallelism over two gloo ranks against one rank, and the attention's route to FA4.
 
-Everything runs in FastVideo's CPU setup (its distributed environment in this process, gloo, torch SDPA)."""
+Everything runs in FastVideo's CPU setup (its distributed environment in this process, gloo, torch SDPA), but the FA4
+route, which runs in fresh processes on a faked datacenter Blackwell GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _pan2_helpers import free_port
+from _pan2_helpers import free_port, recording_fa4
 from _ranks import run_ranks
 
 from fastvideo_pan2_ext.model.architecture import (PAN2TransformerConfig, parameter_count, stored_in_fp32,
@@ -341,3 +344,94 @@ def test_every_attention_goes_through_fastvideos_chosen_backend(loaded, monkeypa
     assert sorted(backend_calls) == sorted([TEXT_TOKENS] * TINY.num_refiner_layers
                                            + [video_tokens + TEXT_TOKENS] * TINY.num_layers)
     assert direct_calls == []
+
+
+# --------------------------------------------------------------------------------------------------- FA4
+
+# FastVideo's flash-attention backend takes head sizes from 32 (TINY's 16 gets SDPA on any GPU).
+FA4_TINY = dataclasses.replace(TINY, attention_head_dim=32, rope_axes_dim=(8, 12, 12))
+
+
+def _as_on_a_gpu(mp: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    """FastVideo's attention choice as a CUDA GPU of `capability` makes it (this machine has none): the CPU platform
+    answers with the CUDA platform's selection, run while torch reports such a GPU."""
+    from fastvideo.platforms.cpu import CpuPlatform
+    from fastvideo.platforms.cuda import NonNvmlCudaPlatform  # the CUDA platform that asks torch for the capability
+
+    def on_the_gpu(cls, selected_backend, head_size, dtype):
+        with pytest.MonkeyPatch.context() as gpu:
+            gpu.setattr(torch.cuda, "is_available", lambda: True)
+            gpu.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+            return NonNvmlCudaPlatform.get_attn_backend_cls(selected_backend, head_size, dtype)
+
+    mp.setattr(CpuPlatform, "get_attn_backend_cls", classmethod(on_the_gpu))
+
+
+def _fa4_on_cpu_tensors(mp: pytest.MonkeyPatch) -> None:
+    """What FastVideo's FA4 wrapper needs of the GPU: its FA2 fallback probe reads the tensors' CUDA device (sm_100
+    answers "FA4"), and its op has a CUDA kernel only (its own body registered for CPU tensors too)."""
+    import fastvideo.attention.utils.flash_attn_cute as cute
+
+    mp.setattr(cute, "_use_fa2", lambda q, k, v: False)
+    cute._flash_attn_cute_forward.register_kernel("cpu")(cute._flash_attn_cute_forward._init_fn)
+
+
+def _fa4_process(rank: int, world: int, tmp: str, port: int, root: str, fa4: str, fastvideo_fa4: str | None,
+                 capability: tuple[int, int]) -> dict:
+    """A fresh process (FastVideo reads FASTVIDEO_FA4 when its attention modules first import) on a GPU of
+    `capability`, FA4 installed (the recording stand-in in `fa4`): PAN2's FA4 policy, the bf16 DiT loaded by
+    FastVideo's loader (each attention layer asks FastVideo's backend selection), one call."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(fa4)
+        if fastvideo_fa4 is None:
+            mp.delenv("FASTVIDEO_FA4", raising=False)
+        else:
+            mp.setenv("FASTVIDEO_FA4", fastvideo_fa4)
+        _fastvideo_ready()
+        from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
+
+        from fastvideo_pan2_ext.attention import apply_fa4_policy
+        from fastvideo_pan2_ext.attention import fa4 as policy
+
+        mp.setattr(policy, "_current_capability", lambda: capability)
+        applied = apply_fa4_policy()
+        _as_on_a_gpu(mp, capability)
+        maybe_init_distributed_environment_and_model_parallel(1, 1, f"tcp://127.0.0.1:{port}")
+        model = _load(Path(root), "bf16")
+        backends = [layer.backend.name for layer in model.modules() if hasattr(layer, "attn_impl")]
+        if "fastvideo.attention.utils.flash_attn_cute" in sys.modules:
+            _fa4_on_cpu_tensors(mp)
+        out = _run(model, *_inputs())
+        from flash_attn.cute.interface import calls
+
+        return {"applied": applied, "backends": backends, "calls": calls, "out": out}
+
+
+def test_fa4_runs_every_attention_on_datacenter_blackwell_through_fastvideos_choice(tmp_path):
+    """On sm_100 with FA4 importable and FASTVIDEO_FA4 unset, PAN2's policy turns FA4 on and every joint and refiner
+    attention is a call of FA4 through FastVideo's flash-attention backend (none bypasses FastVideo's choice, which
+    would leave FA4 uncalled); with FASTVIDEO_FA4=0, or on Hopper, FastVideo's own choice stands (SDPA: no FA2 or FA3
+    here) and FA4 is never called. FA4's stand-in computes SDPA, so the outputs are the same bf16 numbers.
+
+    Faked, for the GPU this machine lacks: the capability, CUDA's presence during the backend choice, and the two
+    CUDA-only details of FastVideo's FA4 wrapper (`_fa4_on_cpu_tensors`)."""
+    root = tmp_path / "checkpoint"
+    write_tiny_checkpoint(root, FA4_TINY)
+    fa4 = str(recording_fa4(tmp_path / "fa4"))
+    attentions = FA4_TINY.num_layers + FA4_TINY.num_refiner_layers
+
+    def run(name, fastvideo_fa4, capability):
+        (tmp_path / name).mkdir()
+        return run_ranks(_fa4_process, 1, tmp_path / name, free_port(), str(root), fa4, fastvideo_fa4, capability,
+                         group=False)[0]
+
+    on = run("sm100", None, (10, 0))
+    assert on["applied"] and on["backends"] == ["FLASH_ATTN"] * attentions
+    heads, head_dim, video_tokens = FA4_TINY.num_attention_heads, FA4_TINY.attention_head_dim, 3 * 2 * 3
+    assert sorted(on["calls"]) == sorted([[1, TEXT_TOKENS, heads, head_dim]] * FA4_TINY.num_refiner_layers
+                                         + [[1, video_tokens + TEXT_TOKENS, heads, head_dim]] * FA4_TINY.num_layers)
+    for name, fastvideo_fa4, capability in [("fa4-0", "0", (10, 0)), ("sm90", None, (9, 0))]:
+        off = run(name, fastvideo_fa4, capability)
+        assert not off["applied"] and off["calls"] == [], name
+        assert off["backends"] == ["TORCH_SDPA"] * attentions, name
+        torch.testing.assert_close(on["out"], off["out"], rtol=0, atol=0)  # the same SDPA on the same bf16 q/k/v

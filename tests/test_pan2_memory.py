@@ -88,7 +88,7 @@ def test_a_plan_that_cannot_fit_names_the_options_that_would():
     assert "\n" not in message
     assert message.startswith("PAN2 (1248x704, 241 frames) with no offload needs 81.5 GiB per GPU (transformer "
                               "weights 54.4 GiB, text encoder weights 14.8 GiB")
-    assert message.endswith(": set text_encoder_cpu_offload=True, vae_cpu_offload=True (66.7 GiB)")
+    assert message.endswith(": set text_encoder_cpu_offload=True, vae_cpu_offload=True (69.6 GiB)")
     with pytest.raises(ValueError, match="no offload option makes it fit: use more GPUs"):
         memory.check(REAL, R481, memory.Layout(), 16 * GB)
 

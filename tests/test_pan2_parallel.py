@@ -3,18 +3,21 @@ with `num_gpus: 2` and `sp_size: 2` (gloo ranks on this CPU), the DiT in fp32, g
 tokens do not divide by 2 (96x96, 9 frames: 3 x 3 x 3 = 27 tokens): the final latents and the frames are the one-rank
 run's, to fp32 rounding. Sequence parallelism splits the video tokens over the ranks (padded to 28), the text
 replicated; FastVideo 0.2.1 has no way to run the two guidance branches on different ranks (no CFG-parallel group), so
-PAN2 runs them in turn on every rank."""
+PAN2 runs them in turn on every rank. FSDP (`use_fsdp_inference`) over two gloo ranks is held to the one-rank run the
+same way, in bf16 (its test says why)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from _pan2_helpers import FASTVIDEO_CLI, OFFLINE, run
 
-pytestmark = pytest.mark.slow  # three FastVideo runs, four worker processes
+pytestmark = pytest.mark.slow  # three FastVideo runs per test, two of them with two worker processes
 
 REQUEST = {"height": 96, "width": 96, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 3.0, "seed": 5}
 
@@ -24,9 +27,10 @@ SCRIPT = textwrap.dedent("""
     from fastvideo_pan2_ext import PAN2PipelineConfig
 
     if __name__ == "__main__":
-        checkpoint, ranks, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-        config = PAN2PipelineConfig(dit_precision="fp32")
-        generator = VideoGenerator.from_pretrained(checkpoint, num_gpus=ranks, sp_size=ranks, pipeline_config=config)
+        checkpoint, ranks, sp_size, fsdp, precision, out = sys.argv[1:]
+        config = PAN2PipelineConfig(dit_precision=precision)
+        generator = VideoGenerator.from_pretrained(checkpoint, num_gpus=int(ranks), sp_size=int(sp_size),
+                                                   use_fsdp_inference=fsdp == "fsdp", pipeline_config=config)
         try:
             result = generator.generate_video(prompt="a fox", negative_prompt="blurry", output_path=out + ".mp4",
                                               save_video=True, return_frames=True, return_trajectory_latents=True,
@@ -38,15 +42,25 @@ SCRIPT = textwrap.dedent("""
 """).replace("**REQUEST", ", ".join(f"{k}={v!r}" for k, v in REQUEST.items()))
 
 
-def _api(tiny_ckpt, tmp_path, ranks):
-    script = tmp_path / "sp.py"
+def _api(tiny_ckpt, tmp_path, ranks, sp_size=None, fsdp=False, precision="fp32"):
+    script = tmp_path / "api.py"
     script.write_text(SCRIPT)
-    out = tmp_path / f"api-{ranks}"
-    proc = run([sys.executable, str(script), str(tiny_ckpt), str(ranks), str(out)], env_extra=OFFLINE, cwd=tmp_path)
+    out = tmp_path / f"api-{ranks}{'-fsdp' if fsdp else ''}"
+    proc = run([sys.executable, str(script), str(tiny_ckpt), str(ranks), str(ranks if sp_size is None else sp_size),
+                "fsdp" if fsdp else "-", precision, str(out)], env_extra=OFFLINE, cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     saved = torch.load(f"{out}.pt")
-    return saved["latents"], saved["frames"], (tmp_path / f"api-{ranks}.mp4").read_bytes(), log
+    return saved["latents"], saved["frames"], Path(f"{out}.mp4").read_bytes(), log
+
+
+def _cli(tiny_ckpt, video, *args):
+    cli = [FASTVIDEO_CLI, "generate", "--pipeline", "pan2", "--generator.model_path", str(tiny_ckpt), *args,
+           "--request.prompt", "a fox", "--request.negative_prompt", "blurry", "--request.output.output_path",
+           str(video), *[arg for key, value in REQUEST.items() for arg in (f"--request.sampling.{key}", str(value))]]
+    proc = run(cli, env_extra=OFFLINE)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return video.read_bytes()
 
 
 def test_two_sequence_parallel_ranks_make_the_one_rank_video(tiny_ckpt, tmp_path):
@@ -61,12 +75,32 @@ def test_two_sequence_parallel_ranks_make_the_one_rank_video(tiny_ckpt, tmp_path
     assert one_frames.shape == two_frames.shape == (9, 96, 96, 3)
     assert (one_frames.int() - two_frames.int()).abs().max() <= 1
 
-    video = tmp_path / "cli-2.mp4"
-    cli = [FASTVIDEO_CLI, "generate", "--pipeline", "pan2", "--generator.model_path", str(tiny_ckpt),
-           "--generator.engine.num_gpus", "2", "--generator.engine.parallelism.sp_size", "2",
-           "--generator.pipeline.experimental.dit_precision", "fp32", "--request.prompt", "a fox",
-           "--request.negative_prompt", "blurry", "--request.output.output_path", str(video),
-           *[arg for key, value in REQUEST.items() for arg in (f"--request.sampling.{key}", str(value))]]
-    proc = run(cli, env_extra=OFFLINE)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert video.read_bytes() == two_video  # the CLI's two ranks run what the API's two ranks ran
+    cli = _cli(tiny_ckpt, tmp_path / "cli-2.mp4", "--generator.engine.num_gpus", "2",
+               "--generator.engine.parallelism.sp_size", "2", "--generator.pipeline.experimental.dit_precision", "fp32")
+    assert cli == two_video  # the CLI's two ranks run what the API's two ranks ran
+
+
+def _dit_shares(log: str) -> list[tuple[int, int]]:
+    return [(int(held), int(total)) for held, total in
+            re.findall(r"PAN2 DiT: this rank holds (\d+) of its (\d+) parameters", log)]
+
+
+def test_fsdp_over_two_ranks_makes_the_one_rank_video(tiny_ckpt, tmp_path):
+    """`use_fsdp_inference` over two gloo ranks (sp_size 1: FSDP alone), each rank holding about half the DiT, gives
+    the one-rank run's latents and video. In bf16, PAN2's default: FastVideo 0.2.1's FSDP inference all-gathers the
+    DiT's weights in bf16 whatever dit_precision says (TransformerLoader's MixedPrecisionPolicy), so an fp32 run
+    without FSDP is not its reference."""
+    one, one_frames, _, one_log = _api(tiny_ckpt, tmp_path, 1, precision="bf16")
+    two, two_frames, two_video, log = _api(tiny_ckpt, tmp_path, 2, sp_size=1, fsdp=True, precision="bf16")
+    [(held, total)] = _dit_shares(one_log)
+    assert held == total
+    shares = _dit_shares(log)
+    assert "world_size=2" in log and len(shares) == 2
+    assert all(total == shares[0][1] and 0.4 < held / total < 0.6 for held, total in shares), shares
+    assert one.shape == two.shape == (1, 2, 48, 3, 6, 6) and one.abs().max() > 0.5
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5 * one.abs().max().item())
+    assert (one_frames.int() - two_frames.int()).abs().max() <= 1
+
+    cli = _cli(tiny_ckpt, tmp_path / "cli-fsdp.mp4", "--generator.engine.num_gpus", "2",
+               "--generator.engine.parallelism.sp_size", "1", "--generator.engine.use_fsdp_inference", "true")
+    assert cli == two_video  # the CLI's two FSDP ranks run what the API's ran

@@ -130,6 +130,30 @@ def test_decode_with_kernel_is_wanvaedecoder_on_fastvideos_denormalized_latents(
                     reference.decode(z, state_dict, torch.bfloat16))
 
 
+def test_text_encoder_offload_gives_the_plain_latents_and_leaves_the_encoder_parked(pan2, tiny_ckpt, monkeypatch):
+    """`text_encoder_cpu_offload` on the worker's args (a GPU-less run turns it off when the args are made,
+    `adapter.use_cpu_settings`): two requests in a row each give the plain run's latents, and after each the
+    encoder's weights are on the CPU, unchanged. Here the encoder computes where it rests: its move onto a GPU and back
+    needs one (docs/design.md, "PAN2's memory plan")."""
+    pipeline, args = pan2
+    encoder = pipeline.get_module("text_encoder")
+    weights = {name: value.clone() for name, value in encoder.state_dict().items()}
+    monkeypatch.setattr(args, "output_type", "latent")  # the decoder is not under test here
+
+    def latents():
+        batch = forward_batch(args, tiny_ckpt, prompt="a fox", negative_prompt="blurry", guidance_scale=3.0,
+                              height=64, width=96, num_frames=5, num_inference_steps=2, save_video=False,
+                              return_trajectory_latents=True)
+        return pipeline.forward(batch, args).trajectory_latents
+
+    plain = latents()
+    monkeypatch.setattr(args, "text_encoder_cpu_offload", True)
+    for _ in range(2):
+        torch.testing.assert_close(latents(), plain, rtol=0, atol=0)
+        assert {p.device.type for p in encoder.parameters()} == {"cpu"}
+        assert all(torch.equal(value, weights[name]) for name, value in encoder.state_dict().items())
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The CLI, in this process: FastVideo's own `main()` and its `generate` subcommand
 # ------------------------------------------------------------------------------------------------------------------

@@ -173,6 +173,9 @@ SEAMS = (
     Seam("fastvideo.pipelines.composed_pipeline_base", "warmup_sequence_parallel_communication", "CPU only: with "
          "sp_size > 1 a pipeline warms its all-to-alls up on a CUDA tensor; on a GPU-less machine, on CPU tensors "
          "(gloo)", replaced=True),
+    Seam("fastvideo.models.loader.fsdp_load", "init_device_mesh", "CPU only: FSDP inference (use_fsdp_inference) "
+         "shards the DiT over a device mesh it builds on 'cuda' (which needs a driver); on a GPU-less machine on "
+         "'cpu' (gloo), where torch's FSDP2 runs", replaced=True),
     Seam("torch", "autocast", "CPU only: stages run under autocast('cuda', bf16), a no-op without CUDA; on a "
          "GPU-less machine 'cuda' means CPU autocast (the same mixed precision on the device that exists)",
          replaced=True),
@@ -278,7 +281,7 @@ SERVE_SEAMS = (
 
 # FastVideo's offloads need CUDA (the parent, too, pins its output buffer): off in GPU-less processes.
 CPU_OFFLOAD_FLAGS = ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_offload",
-                     "image_encoder_cpu_offload", "vae_cpu_offload", "pin_cpu_memory", "use_fsdp_inference")
+                     "image_encoder_cpu_offload", "vae_cpu_offload", "pin_cpu_memory")
 SDPA_BACKEND = "fastvideo.attention.backends.sdpa.SDPABackend"
 
 
@@ -1043,6 +1046,12 @@ def close_cpu_gaps() -> bool:
         if (name == "fastvideo" or name.startswith("fastvideo.")) \
                 and getattr(module, "get_local_torch_device", None) is original_device_fn:
             module.get_local_torch_device = get_local_torch_device
+
+    from fastvideo.models.loader import fsdp_load
+
+    mesh = fsdp_load.init_device_mesh
+    fsdp_load.init_device_mesh = lambda device_type, *args, **kwargs: mesh(
+        "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
     import fastvideo.pipelines.composed_pipeline_base as composed
 

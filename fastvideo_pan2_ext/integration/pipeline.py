@@ -43,6 +43,7 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
         return checkpoint.check_pan2_checkpoint(self.model_path)
 
     def create_pipeline_stages(self, fastvideo_args) -> None:
+        _log_dit_share(self.get_module("transformer"))
         vae = self.get_module("vae")
         self.add_stage("input_validation_stage", PAN2InputStage())
         self.add_stage("prompt_encoding_stage",
@@ -72,6 +73,15 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
             batch.output = torch.empty(0)
             batch.extra[request_failure.FAILURE_KEY] = first_line(exc, with_type=True)
             return batch
+
+
+def _log_dit_share(transformer) -> None:
+    """How much of the DiT this rank holds: FastVideo logs nothing of its FSDP sharding (`use_fsdp_inference`)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(transformer.parameters())
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    logger.info("PAN2 DiT: this rank holds %d of its %d parameters", held, sum(p.numel() for p in params))
 
 
 EntryClass = PAN2Pipeline

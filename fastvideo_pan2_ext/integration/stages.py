@@ -81,7 +81,11 @@ def _find(ids: list[int], sub: list[int]) -> int | None:
 
 
 class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
-    """Qwen3.5 as PAN2's sampler calls it, for the prompt and (with guidance) the negative prompt."""
+    """Qwen3.5 as PAN2's sampler calls it, for the prompt and (with guidance) the negative prompt.
+
+    As FastVideo's own text stage: an encoder parked off this rank's device (`text_encoder_cpu_offload` loads it on
+    the CPU) is moved onto the device for the prompts and back afterwards, so it holds no GPU memory while the DiT
+    works; the embeddings are on this rank's device either way."""
 
     def __init__(self, text_encoder, tokenizer) -> None:
         super().__init__()
@@ -91,14 +95,24 @@ class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
     def forward(self, batch, fastvideo_args):
         if not isinstance(batch.prompt, str):
             raise ValueError(f"PAN2 takes one prompt string per request; got {type(batch.prompt).__name__}")
-        device = getattr(self.text_encoder, "_fastvideo_input_device", adapter.local_torch_device())
-        dit_dtype = _dtype(fastvideo_args.pipeline_config.dit_precision)
-        batch.prompt_embeds = [prompt_embeds(batch.prompt, self.tokenizer, self.text_encoder, device).to(dit_dtype)]
-        if batch.do_classifier_free_guidance:
-            negative = batch.negative_prompt if isinstance(batch.negative_prompt, str) else ""
-            batch.negative_prompt_embeds = [
-                prompt_embeds(negative, self.tokenizer, self.text_encoder, device).to(dit_dtype)]
+        parked = next(self.text_encoder.parameters()).device
+        moved = parked.type != adapter.local_torch_device().type
+        if moved:
+            self.text_encoder.to(adapter.local_torch_device())
+        try:
+            batch.prompt_embeds = [self._embeds(batch.prompt, fastvideo_args)]
+            if batch.do_classifier_free_guidance:
+                negative = batch.negative_prompt if isinstance(batch.negative_prompt, str) else ""
+                batch.negative_prompt_embeds = [self._embeds(negative, fastvideo_args)]
+        finally:
+            if moved:
+                self.text_encoder.to(parked)
         return batch
+
+    def _embeds(self, prompt: str, fastvideo_args) -> torch.Tensor:
+        """One prompt's embeddings on this rank's device in the DiT's dtype (the encoder where it computes now)."""
+        embeds = prompt_embeds(prompt, self.tokenizer, self.text_encoder, next(self.text_encoder.parameters()).device)
+        return embeds.to(adapter.local_torch_device(), _dtype(fastvideo_args.pipeline_config.dit_precision))
 
 
 class PAN2LatentPreparationStage(adapter.symbol("PipelineStage")):

@@ -6,7 +6,8 @@ encoder's and the VAE's from their safetensors headers (parameter counts, no ten
 memory from the fast decoder's planner (`vae_kernel.planning`), and one joint block's activations at the request's
 token count by arithmetic (below). FastVideo's options change what is resident (`Layout`): sequence parallelism
 splits the video tokens, FSDP the transformer's weights, layer-wise offload keeps two joint blocks of it on the GPU,
-the text encoder's CPU offload runs it on the CPU, the VAE's keeps it off the GPU while the DiT works.
+the text encoder's CPU offload keeps it on the GPU only while it encodes, the VAE's keeps it off the GPU while the DiT
+works.
 """
 
 from __future__ import annotations
@@ -167,13 +168,11 @@ def plan(sizes: Sizes, request: Request, layout: Layout = Layout()) -> MemoryPla
     c = sizes.transformer
     dit_b, text_b = DTYPE_BYTES[layout.dit_precision], DTYPE_BYTES[layout.text_encoder_precision]
     tokens = video_tokens(sizes, request)
-    text_on_gpu = not layout.text_encoder_cpu_offload
     components = {
         "transformer weights": _transformer_resident(sizes, layout),
-        "text encoder weights": sizes.text_params * text_b if text_on_gpu else 0,
+        "text encoder weights": sizes.text_params * text_b,
         # every layer's hidden state is returned (hidden_states[-3] is taken from them)
-        "text encoding": (request.text_tokens * sizes.text_hidden * (sizes.text_layers + 4) * text_b
-                          if text_on_gpu else 0),
+        "text encoding": request.text_tokens * sizes.text_hidden * (sizes.text_layers + 4) * text_b,
         "VAE weights": sizes.vae_params * DTYPE_BYTES[layout.vae_precision],
         "one joint block's activations": block_activation_bytes(c, tokens, request.text_tokens, layout.sp_size,
                                                                 dit_b),
@@ -182,17 +181,19 @@ def plan(sizes: Sizes, request: Request, layout: Layout = Layout()) -> MemoryPla
     }
     vae_resident = 0 if layout.vae_cpu_offload else components["VAE weights"]
     dit, text = components["transformer weights"], components["text encoder weights"]
+    text_resident = 0 if layout.text_encoder_cpu_offload else text  # offloaded: back on the CPU once encoded
     phases = {
         "text": dit + text + components["text encoding"] + vae_resident,
-        "denoise": dit + text + vae_resident + components["one joint block's activations"] + components["latents"],
-        "decode": dit + text + components["VAE weights"] + components["VAE decode"] + components["latents"],
+        "denoise": dit + text_resident + vae_resident + components["one joint block's activations"]
+        + components["latents"],
+        "decode": dit + text_resident + components["VAE weights"] + components["VAE decode"] + components["latents"],
     }
     return MemoryPlan(request, layout, components, phases)
 
 
-# The layouts to try, fastest first: each step gives up some speed for memory. Sharding the DiT over several GPUs
-# (an all-gather per block over their links) costs less than running the 9B text encoder on the CPU, which costs
-# less than streaming every joint block over PCIe at every step.
+# The layouts to try, fastest first: each step gives up some speed for memory. Sharding the DiT over several GPUs (an
+# all-gather per block over their links) comes before the text encoder's offload (its 16 GB over PCIe and back for
+# every request), which comes before streaming every joint block over PCIe at every step.
 def candidate_layouts(num_gpus: int, base: Layout = Layout()) -> list[Layout]:
     vae, fsdp, text = dict(vae_cpu_offload=True), dict(use_fsdp_inference=True), dict(text_encoder_cpu_offload=True)
     steps = [dict(), vae, *([{**vae, **fsdp}] if num_gpus > 1 else []), {**vae, **text},
