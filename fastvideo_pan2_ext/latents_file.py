@@ -96,7 +96,7 @@ def decode_command(path) -> str:
 
 
 def layout_of(config: WanVAEConfig) -> str:
-    """The layout name of a Wan VAE architecture (`vae_kernel.architecture.infer_config`)."""
+    """The layout name of a Wan VAE architecture (`vae_kernel.definitions.architecture.infer_config`)."""
     return "wan2.2" if config.residual else "wan2.1"
 
 

@@ -1,6 +1,6 @@
-"""The allowance for a fast decode (`vae_kernel.allowance`, docs/design.md "Definitions") as a test assertion, and a
-cache of the oracle decodes it is measured against: the fp32 reference and the release bf16 decode (diffusers'
-`AutoencoderKLWan.to(bf16).decode(z.bf16())`).
+"""The allowance for a fast decode (`vae_kernel.definitions.allowance`, docs/design.md "Definitions") as a test
+assertion, and a cache of the oracle decodes it is measured against: the fp32 reference and the release bf16 decode
+(diffusers' `AutoencoderKLWan.to(bf16).decode(z.bf16())`).
 """
 
 from __future__ import annotations

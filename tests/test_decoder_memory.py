@@ -194,8 +194,9 @@ def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatc
 
 
 def test_pan2s_default_video_decodes_at_one_frame_per_pass_within_the_16_gib_goal():
-    """The numbers behind the default (bf16 scratch, as on a GPU; `tools/memory_plan.py` prints them): at 704x1248,
-    193 frames, frames_per_pass 1 keeps weights, working memory and video within DEFAULT_MEMORY_GOAL; 2 does not."""
+    """The numbers behind the default (bf16 scratch, as on a GPU; `tools/memory_plan.py` prints them): for a
+    193-frame video at 704x1248 (T = 49), frames_per_pass 1 keeps weights, working memory and video within
+    DEFAULT_MEMORY_GOAL; 2 does not."""
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes, video_shape
     from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare
 

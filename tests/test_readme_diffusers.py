@@ -1,6 +1,6 @@
-"""README's "The fast decoder in diffusers" blocks run as written, in a folder laid out like the repository root: the
-tiny Wan2.2 TI2V checkpoint, then the example, which loads it with diffusers' own WanPipeline.from_pretrained, decodes
-through the fast decoder in exact tiles (enable_tiling()) and writes the mp4."""
+"""The diffusers blocks of README's "The fast decoder in any Wan pipeline" run as written, in a folder laid out like the
+repository root: the tiny Wan2.2 TI2V checkpoint, then the example, which loads it with diffusers' own
+WanPipeline.from_pretrained, decodes through the fast decoder in exact tiles (enable_tiling()) and writes the mp4."""
 
 from __future__ import annotations
 

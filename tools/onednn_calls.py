@@ -1,6 +1,6 @@
 """What oneDNN runs in one real-width CPU decode, read from its own log (`ONEDNN_VERBOSE=1`), with the conv weights
 prepacked (`ops.prepack`, what `weights.load` does on a CPU computing in bf16) and without (every weight reordered on
-every call, as before the prepacking). docs/benchmarks.md, "After, bf16 compute".
+every call, as before the prepacking). docs/benchmarks.md, "After, bf16 compute on a CPU with AMX-BF16".
 
     python tools/onednn_calls.py [--threads 2]
 

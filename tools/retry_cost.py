@@ -10,8 +10,8 @@ Times, in one run, median of `--repeats` (single-threaded, so that the two share
   the worst case, a whole attempt lost;
 - `replan`: of that, choosing the smaller plan (the planner's meta-device replays of the failed and the smaller plan,
   none cached: with frames_per_pass="auto" the plan's own replays are cached already).
-Each retried video is checked bit-identical to `direct`. Also lists the plans a retry walks through for PAN2's
-default video (T = 49, 704x1248, the planner's replay on the meta device, bf16 as on a GPU) and how long choosing all
+Each retried video is checked bit-identical to `direct`. Also lists the plans a retry walks through for a
+193-frame video (T = 49, 704x1248, the planner's replay on the meta device, bf16 as on a GPU) and how long choosing all
 of them takes on this CPU. Writes
 bench/results/retry-cost-<date>.json.
 """
@@ -68,7 +68,8 @@ def timed(make, z, repeats: int):
 
 
 def ladder(start: DecodePlan, stream: bool) -> list[str]:
-    """The plans a decode of PAN2's default video tries, from `start`, when every plan runs out of memory."""
+    """The plans a decode of a 193-frame video (T = 49, 704x1248) tries, from `start`, when every plan runs out of
+    memory."""
     meta = torch.device("meta")
     weights = {name: prepare(name, torch.empty(shape, device=meta)) for name, shape in
                expected_shapes(WAN22_CONFIG).items()}

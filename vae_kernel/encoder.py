@@ -83,7 +83,7 @@ class WanVAEEncoder:
     DiagonalGaussianDistribution), so that `.mode()`, `.mean` and `.sample(generator)` draw what that class would.
 
     Every plan gives the same moments bit for bit at a given precision: frames per pass, tiles, batch samples and
-    the steady reuse run the same ops on the same inputs (docs/design.md, "Exact by construction").
+    the steady reuse run the same ops on the same inputs (docs/design.md, "The encoder": exact by construction).
     """
 
     def __init__(self, vae_or_state_dict, device=None, pg=None, local: bool = False, **options) -> None:

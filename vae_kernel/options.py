@@ -1,4 +1,5 @@
-"""The fast decoder's and the fast encoder's options, defined once (docs/design.md, "Options").
+"""The fast decoder's and the fast encoder's options, defined once (README, "The options"; docs/design.md, "The
+decoder").
 
 Each option is a name, a type, a default, what it means, its check and whether it applies to the decode, the encode
 or both. From this table come `WanVAEDecoder`'s keyword arguments (`OPTIONS`: the decode's), `WanVAEEncoder`'s

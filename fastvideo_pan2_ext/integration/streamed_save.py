@@ -1,4 +1,5 @@
-"""How a PAN2 video reaches its file (docs/design.md, "The streamed save"): whole or streamed, never partial.
+"""How a PAN2 video reaches its file (docs/design.md, "The streamed save and atomic output"): whole or streamed,
+never partial.
 
 FastVideo 0.2.1 saves in the parent process (in the generator's single-video step) after the worker has decoded the
 whole video and handed it over as fp32 [B, 3, F, H, W] (481 frames at 704x1248: 5.1 GB, and once more as the

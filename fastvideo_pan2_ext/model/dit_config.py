@@ -1,5 +1,5 @@
-"""PAN2's DiT configuration in FastVideo's form (`PAN2DiTConfig`, as `configs/models/dits/hunyuanvideo.py` is
-HunyuanVideo's): the `transformer/config.json` keys as architecture fields, which FastVideo's `TransformerLoader`
+"""PAN2's DiT configuration in FastVideo's form (`PAN2DiTConfig`, as `fastvideo/configs/models/dits/hunyuanvideo.py`
+is HunyuanVideo's): the `transformer/config.json` keys as architecture fields, which FastVideo's `TransformerLoader`
 overwrites from the checkpoint (`update_model_arch`), and the diffusers -> FastVideo parameter names.
 
 The module names of `model.transformer.PAN2Transformer3DModel` differ from diffusers' where FastVideo's layers name

@@ -1,7 +1,7 @@
 """Run FastVideo's plugins right after ``import fastvideo`` finishes (never at interpreter start-up).
 
 ``fastvideo_pan2_ext-plugins.pth`` (installed into site-packages by both ``pip install .`` and ``pip install -e .``)
-puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`_build.HOOK_STUB`). It imports
+puts a ten-line copy of `FastVideoImportHook` on ``sys.meta_path`` at start-up (`pth_hook.HOOK_STUB`). It imports
 nothing and answers for one module name, ``fastvideo``: when that import happens it imports this module and calls
 `spec_for`, which removes the hook, lets the real finders locate FastVideo, and wraps the loader so that once
 ``fastvideo/__init__.py`` has run, `fastvideo_pan2_ext.plugin_loader.load_plugins` is called. Spawned workers are fresh

@@ -35,7 +35,7 @@ from ..portable.passes import EncodeRunner, latent_passes, pass_video_frames, ro
 AUTO = "auto"
 FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first (`choose_plan`)
 # frames_per_pass="auto" keeps a decode's whole allocation (weights, working memory, returned video) within this when
-# nothing smaller bounds it (`choose_plan`): PAN2's default video (704x1248, 193 frames) then decodes at
+# nothing smaller bounds it (`choose_plan`): PAN2's default video (704x1248, 241 frames, T = 61) then decodes at
 # frames_per_pass 1 on one GPU.
 DEFAULT_MEMORY_GOAL = 16 * 2**30
 # A budget is checked against 1.3 x the replay: the replay counts the storages torch allocates (on a CPU the same
