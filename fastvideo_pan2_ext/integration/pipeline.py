@@ -44,6 +44,9 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
 
     def create_pipeline_stages(self, fastvideo_args) -> None:
         _log_dit_share(self.get_module("transformer"))
+        if fastvideo_args.use_fsdp_inference and fastvideo_args.pipeline_config.dit_precision == "fp32":
+            logger.warning("dit_precision fp32 with use_fsdp_inference: FastVideo's FSDP inference gathers the DiT's "
+                           "weights in bf16, so this run computes bf16's numbers (docs/design.md, \"The transformer\")")
         vae = self.get_module("vae")
         self.add_stage("input_validation_stage", PAN2InputStage())
         self.add_stage("prompt_encoding_stage",
