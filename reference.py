@@ -427,25 +427,26 @@ def _pan2_refiner_block(p, name, c, heads: int) -> torch.Tensor:
     return c + _pan2_swiglu_ff(p, f"{name}.ff", _pan2_rms_norm(c, p[f"{name}.norm2.weight"], TEXT_RMS_EPS))
 
 
-def _pan2_joint_attention(p, name, x, c, rope, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pan2_joint_attention(p, name, x, c, rope, heads: int, attention=_pan2_sdpa) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention over [video; text] (text at the rear): each stream its own projections and per-head RMSNorms
-    (eps 1e-6), RoPE on the video q, k only, each stream its own output projection."""
+    (eps 1e-6), RoPE on the video q, k only, each stream its own output projection. `attention`: `_pan2_sdpa`'s
+    contract (the GPU check times the block with other kernels in its place)."""
     q, k, v = _pan2_project(p, name, ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"), x, heads, LAYER_NORM_EPS)
     q, k = _pan2_apply_rope(q, *rope), _pan2_apply_rope(k, *rope)
     cq, ck, cv = _pan2_project(p, name, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"),
                                c, heads, LAYER_NORM_EPS)
-    out = _pan2_sdpa(torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1))
+    out = attention(torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1))
     video, text = out.split([x.shape[1], c.shape[1]], dim=1)
     return _pan2_linear(p, f"{name}.to_out.0", video), _pan2_linear(p, f"{name}.to_add_out", text)
 
 
-def _pan2_joint_block(p, name, x, c, temb, rope, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pan2_joint_block(p, name, x, c, temb, rope, heads: int, attention=_pan2_sdpa) -> tuple[torch.Tensor, torch.Tensor]:
     """A joint block: AdaLN-zero on the video from temb; on the text from a learned table that ignores the time."""
     x_hat, gate_msa, shift_mlp, scale_mlp, gate_mlp = _pan2_ada_norm_zero(p, f"{name}.norm1", x, temb)
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
         p[f"{name}.scale_shift_table_context"].to(temb.dtype).chunk(6))
     attn_x, attn_c = _pan2_joint_attention(p, f"{name}.attn", x_hat, _pan2_modulate(c, c_shift_msa, c_scale_msa),
-                                           rope, heads)
+                                           rope, heads, attention)
     x = x + attn_x * gate_msa[:, None]
     c = c + attn_c * c_gate_msa
     x_hat = _pan2_modulate(x, shift_mlp[:, None], scale_mlp[:, None])

@@ -166,12 +166,56 @@ def test_part_1_builds_self_checks_and_times_t_max_inside_its_deadline(machine, 
         assert entry["allowance"]["ok"] and set(entry["conv_algorithms"].values()) == {algorithm}
         assert entry["plan"]["frames_per_pass"] in (1, 2, 4)  # the product's default, "auto", and what it chose
     assert direct["fallbacks"] == {} and winograd["fallbacks"] == {} and "fallbacks" not in portable
+    steps = [k for k, v in report.items() if isinstance(v, dict) and "step_seconds" in v]
+    assert steps[steps.index(f"compiled_timing:T={big}") + 1] == "pan2_block"  # right after the first compiled timing
+    _check_pan2_block(report["pan2_block"], report["summary"])
     _no_fallbacks_anywhere(report)
     summary = report["summary"]
     assert summary["compiled_ok"] is True and summary["audited"] == 2
     assert summary[f"T={big} winograd speedup vs direct"] == round(direct["median_s"]
                                                                     / winograd["median_s"], 2)
     PART1["report"] = report
+
+
+def _check_pan2_block(result: dict, summary: dict) -> None:
+    """The PAN2 block at the dry run's size: the tiny checkpoint's config at 9 frames of 64x96 (grid 3 x 2 x 3) and 8
+    text tokens, `model.cost`'s count for one block; torch's SDPA and its flash kernel timed and projected to a step
+    (44 blocks on a GPU, here the tiny config's 2; two forwards), the kernels this CPU or this machine lacks named."""
+    from fastvideo_pan2_ext.demo.tiny_checkpoints import tiny_pan2_transformer_config
+    from fastvideo_pan2_ext.model.cost import joint_block_flops
+
+    config = tiny_pan2_transformer_config()
+    assert result["config"] == "tiny" and result["grid"] == [3, 2, 3] and result["text_tokens"] == 8
+    assert (result["hidden"], result["heads"], result["blocks"]) == (32, 2, config.num_layers)
+    flops = joint_block_flops(config, 18, 8)
+    assert result["flops"] == {"linear": flops.linear, "attention": flops.attention}
+    kernels = result["kernels"]
+    assert set(kernels) == {"sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "fa2", "fa3", "fa4"}
+    for name in ("sdpa", "sdpa_flash"):
+        entry = kernels[name]
+        assert len(entry["runs_ms"]) == 3 and entry["ms"] == sorted(entry["runs_ms"])[1] > 0
+        assert entry["tflops"] == pytest.approx(flops.total / entry["ms"] / 1e9, rel=2e-3)  # 4 figures each
+        assert entry["projected_step_s"] == pytest.approx(entry["ms"] / 1e3 * 2 * config.num_layers, rel=2e-3)
+        assert entry["projected_50_steps_s"] == pytest.approx(50 * entry["projected_step_s"], rel=2e-3)
+        assert entry["finite"] and entry["max_diff_vs_sdpa"] < 1e-2
+        assert summary[f"pan2 block {name} ms"] == entry["ms"]
+    assert "No viable backend" in kernels["sdpa_cudnn"]["error"]  # a CUDA kernel: recorded, the others still timed
+    assert all(kernels[k]["absent"].startswith("not importable") for k in ("fa2", "fa3", "fa4"))
+    assert result["fastest"] in ("sdpa", "sdpa_flash") and result["founding_b300_s"] == {"fa4": 288, "sdpa": 670}
+
+
+def test_every_step_s_cap_is_seconds_and_the_pan2_block_follows_the_first_compiled_timing():
+    """On a GPU a step's limit is min(cap, time left): a cap that is not a number would stop the whole part there
+    (the dry run never reads caps)."""
+    from tools import gpu_check
+
+    for part in (1, 2):
+        for sizes in (gpu_check.FULL, gpu_check.DRY):
+            steps = gpu_check.part_steps(part, sizes, with_diffusers=True)
+            assert all(isinstance(step.cap, (int, float)) and step.cap > 0 for step in steps), part
+    names = [step.name for step in gpu_check.part_steps(1, gpu_check.FULL, with_diffusers=False)]
+    assert names[names.index("compiled_timing:T=49") + 1] == "pan2_block"
+    assert gpu_check.FULL["pan2_block"] == (241, 704, 1248, 1544)
 
 
 def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(machine, tmp_path, tmp_path_factory):

@@ -147,6 +147,32 @@ def test_the_cost_models_flops_are_what_torch_counts_on_the_reference_transforme
     assert flops.attention == counter.get_total_flops()
 
 
+def test_one_joint_blocks_flops_are_what_torch_counts_on_the_reference_block():
+    """`joint_block_flops` (what the GPU check divides a block's time by): FlopCounterMode over the reference's one
+    joint block, its attention through explicit matmuls (torch's CPU attention does not report to the counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fastvideo_pan2_ext import reference
+    from fastvideo_pan2_ext.model.architecture import weight_shapes
+    from fastvideo_pan2_ext.model.cost import joint_block_flops
+
+    c = PAN2TransformerConfig(num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6), num_layers=2,
+                              num_refiner_layers=1, text_embed_dim=40)
+    g = torch.Generator().manual_seed(0)
+    state = {name: torch.randn(shape, generator=g) * 0.05 for name, shape in weight_shapes(c).items()
+             if name.startswith("transformer_blocks.0.")}
+    grid, text = (3, 2, 3), 7
+
+    def attention(q, k, v):
+        return (torch.softmax(q.transpose(1, 2) @ k.permute(0, 2, 3, 1), -1) @ v.transpose(1, 2)).transpose(1, 2)\
+            .flatten(2)
+
+    with FlopCounterMode(display=False) as counter:
+        reference._pan2_joint_block(state, "transformer_blocks.0", torch.randn(1, 18, 32), torch.randn(1, text, 32),
+                                    torch.randn(1, 32), reference.pan2_rope(c, grid), 2, attention)
+    assert joint_block_flops(c, 18, text).total == counter.get_total_flops()
+
+
 @pytest.mark.parametrize("gpu_gb,chosen", [
     (141, {"dit": False, "dit_layerwise": False, "text_encoder": False, "vae": False}),
     (80, {"dit": False, "dit_layerwise": False, "text_encoder": True, "vae": True}),

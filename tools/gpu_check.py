@@ -1,14 +1,18 @@
 """The GPU check of the compiled decoder, in two commands (run it through tools/gpu_check.sh; docs/gpu-check.md says
 how, docs/design.md, "The GPU check", why).
 
-Part 1 (`--part 1`, about 240 s on an H200): what decides the design, first.
+Part 1 (`--part 1`, about 280 s on an H200): what decides the design, first.
 - build: cold then warm, each in a fresh process; the kernels' registers, spills and shared memory (ptxas -v);
 - the compiled op table's self-check at every production op shape, then the Winograd table's (every case reported;
   run as the loader runs it, so a pass is remembered and no later step checks the table again);
 - the whole decode at T = 49 (704x1248) by the compiled direct kernels, the compiled Winograd kernels and the portable
   decoder: one timed repeat after a warm-up, peak memory, which algorithm ran each (kt, 3, 3) conv, the calls that
   fell back to the portable op, and the allowance against an fp32 oracle of the first few latent frames (the decoder
-  is causal in time: those frames of a T = 49 decode are the whole decode of its first latent frames).
+  is causal in time: those frames of a T = 49 decode are the whole decode of its first latent frames);
+- after the compiled direct timing, `pan2_block`: one joint block of PAN2's real transformer (random bf16 weights) at
+  the 241-frame 704x1248 token count, timed with each attention kernel the machine has (torch's SDPA, its flash,
+  memory-efficient and cuDNN kernels; FlashAttention 2, 3 and 4 where importable): ms per block, TFLOP/s against
+  `model.cost`'s count, the sampler step it projects to.
 Part 2 (`--part 2`): the rest.
 - the same build and self-checks (remembered from part 1 on the same machine; done again on a fresh one);
 - correctness at T = 2 and 8 against the whole fp32 reference: the release bf16, portable and compiled decodes;
@@ -49,6 +53,7 @@ import copy
 import dataclasses
 import datetime
 import gc
+import importlib
 import json
 import math
 import os
@@ -69,11 +74,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 
 from fastvideo_pan2_ext import reference  # noqa: E402
+from fastvideo_pan2_ext.demo.tiny_checkpoints import tiny_pan2_transformer_config  # noqa: E402
+from fastvideo_pan2_ext.model.architecture import PAN2TransformerConfig, latent_grid, weight_shapes  # noqa: E402
+from fastvideo_pan2_ext.model.cost import joint_block_flops  # noqa: E402
+from fastvideo_pan2_ext.model.memory import VAE_SPATIAL, Request  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension, loader, selfcheck, verification  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (  # noqa: E402
     WAN21_CONFIG, WAN21_ENCODER_CONFIG, WAN22_CONFIG, WanVAEConfig, diffusers_arguments, diffusers_encoder_arguments,
-    narrow, narrow_encoder)
+    latent_frames, narrow, narrow_encoder)
 from fastvideo_pan2_ext.vae_kernel.decoder import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
@@ -89,13 +98,16 @@ CONFIGS = {"wan22": (WAN22_CONFIG, narrow(WAN22_CONFIG, 8, z_dim=8)), "wan21": (
 # (latent rows, cols); correctness T (whole fp32 oracle); timing T (the largest is part 1's, audited on its first
 # `oracle_frames` latent frames); memory T and frames_per_pass; the Wan2.1 VAE's video sizes and T (21: 81 frames);
 # the coverage step's sub-pixel conv (channels, frames, rows, cols of its input: 20 frames of the 512-channel one at
-# 704x1248 write 2.25e9 > 2^31 elements) and the pipeline's video (height, width, frames, steps).
+# 704x1248 write 2.25e9 > 2^31 elements), the pipeline's video (height, width, frames, steps) and the PAN2 block's
+# request (frames, height, width, text tokens: PAN2's default video, the most text it conditions on; the dry run's
+# block is the tiny checkpoint's).
 FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), oracle_frames=3, memory_t=9,
             memory_fpp=(1, 2, 4, "auto"), wan21_hw=((480, 832), (720, 1280)), wan21_t=21,
-            big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2), encode=(81, 480, 832, 96))
+            big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2), encode=(81, 480, 832, 96),
+            pan2_block=(241, 704, 1248, Request(704, 1248, 241).text_tokens))
 DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), oracle_frames=2, memory_t=5,
            memory_fpp=(1, 2, 4, "auto"), wan21_hw=((16, 24), (24, 32)), wan21_t=3,
-           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1), encode=(13, 16, 24, 8))
+           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1), encode=(13, 16, 24, 8), pan2_block=(9, 64, 96, 8))
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
                (512, 256, (3, 3, 3), 8), (256, 256, (3, 3, 3), 8)]
@@ -104,8 +116,12 @@ WARMUP_T = 9  # the warm-up decode: the first frame, then two 4-frame passes
 REPEATS = 1  # timed decodes after the warm-up (the lease buys numbers, not error bars)
 WINOGRAD_TILE = (128, 256)  # csrc/winograd.cu's TileShape (M, N) of one persistent CTA's GEMM tile
 TAG = "GPU_CHECK_CHILD "
-DEFAULT_DEADLINES = {1: 300.0, 2: 420.0}  # seconds; each inside one 600 s device command with room to spare
+DEFAULT_DEADLINES = {1: 340.0, 2: 420.0}  # seconds; each inside one 600 s device command with room to spare
 PIPELINE = "pipeline"
+PAN2_BLOCK = "pan2_block"
+PAN2_STEPS = 50  # PAN2's default sampler steps (configs.pan2), each two forwards (guidance)
+# The founding figure: PAN2 on one B300, 241 frames at 704x1248, 50 steps, the whole run (text, denoise, decode).
+FOUNDING_B300_S = {"fa4": 288, "sdpa": 670}
 
 
 # --------------------------------------------------------------------------------------------------- bookkeeping
@@ -762,6 +778,100 @@ def two_weight_sets(ctx: Context) -> dict:
     return {"t": t, "videos": out, "fallbacks": fell, "ok": all(v["ok"] for v in out.values()) and not fell}
 
 
+# --------------------------------------------------------------------------------------------------- PAN2's block
+
+
+def attention_kernels() -> dict:
+    """name -> an attention with `reference._pan2_sdpa`'s contract ([B, S, H, hd] q, k, v -> [B, S, H hd]), or the
+    reason it is absent. Called directly, not through FastVideo's backends: part 1 carries no FastVideo (and FastVideo's
+    flash backends need these same packages). torch's math kernel is left out: it materialises the scores (175 GB per
+    block at 241 frames)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    def only(backend):
+        def attention(q, k, v):
+            with sdpa_kernel([backend]):
+                return reference._pan2_sdpa(q, k, v)
+        return attention
+
+    def flash(module: str):
+        def attention(q, k, v):
+            out = fn(q, k, v, softmax_scale=q.shape[-1] ** -0.5, causal=False)
+            return (out[0] if isinstance(out, tuple) else out).flatten(2, 3)  # FA3/FA4 may return (out, lse)
+        try:
+            fn = importlib.import_module(module).flash_attn_func
+        except Exception as exc:  # noqa: BLE001 - absent, or present and broken: either way not timed
+            return f"not importable: {type(exc).__name__}: {exc}"[:300]
+        return attention
+
+    return {"sdpa": reference._pan2_sdpa,  # torch's own choice: the founding figure's "SDPA"
+            "sdpa_flash": only(SDPBackend.FLASH_ATTENTION), "sdpa_efficient": only(SDPBackend.EFFICIENT_ATTENTION),
+            "sdpa_cudnn": only(SDPBackend.CUDNN_ATTENTION),
+            "fa2": flash("flash_attn"), "fa3": flash("flash_attn_interface"), "fa4": flash("flash_attn.cute")}
+
+
+def pan2_block(ctx: Context, repeats: int = 3) -> dict:
+    """One joint block of PAN2's transformer (`reference._pan2_joint_block`, the math tests/test_pan2_dit.py holds the
+    DiT to) with random bf16 weights on the device, over the tokens of `sizes["pan2_block"]` (the real config and
+    241 frames at 704x1248 on a GPU; the tiny checkpoint's config and a tiny video in a dry run), timed (median of
+    `repeats` after a warm-up) with each attention kernel of `attention_kernels`. Per kernel: ms per block, TFLOP/s
+    against `model.cost`'s count for one block, the step it projects to (every joint block, two forwards: the refiner
+    and embeddings are under 0.2% of a step's FLOPs) and `PAN2_STEPS` of them, and its output's largest difference
+    from torch's SDPA's (relative to the output's largest value)."""
+    config = tiny_pan2_transformer_config() if ctx.dry_run else PAN2TransformerConfig()
+    frames, height, width, text = ctx.sizes["pan2_block"]
+    grid = latent_grid(config, latent_frames(frames), height // VAE_SPATIAL, width // VAE_SPATIAL)
+    video, d, name = math.prod(grid), config.inner_dim, "transformer_blocks.0"
+    g = torch.Generator(ctx.device).manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=ctx.device, dtype=torch.bfloat16)
+
+    # Matrices N(0, 1/fan_in) and gains near 1 keep the activations O(1) (no inf/NaN to time), as the checkpoint's.
+    weights = {k: rand(*shape) * shape[-1] ** -0.5 if len(shape) > 1 else 1 + 0.1 * rand(*shape)
+               for k, shape in weight_shapes(config).items() if k.startswith(f"{name}.")}
+    x, c, temb = rand(1, video, d), rand(1, text, d), rand(1, d)
+    rope = reference.pan2_rope(config, grid, ctx.device)
+    flops = joint_block_flops(config, video, text)
+    out: dict = {"config": "real" if not ctx.dry_run else "tiny", "hidden": d, "heads": config.num_attention_heads,
+                 "head_dim": config.attention_head_dim, "blocks": config.num_layers, "grid": list(grid),
+                 "video_tokens": video, "text_tokens": text,
+                 "flops": {"linear": flops.linear, "attention": flops.attention},
+                 "founding_b300_s": FOUNDING_B300_S, "kernels": {}}
+    sdpa_out = None
+    for kernel, attention in attention_kernels().items():
+        if isinstance(attention, str):
+            out["kernels"][kernel] = {"absent": attention}
+            continue
+        try:
+            with torch.no_grad():
+                (video_out, _), timed = measure(lambda: reference._pan2_joint_block(
+                    weights, name, x, c, temb, rope, config.num_attention_heads, attention),  # noqa: B023 - run here
+                    ctx.device, repeats, 1)
+        except Exception as exc:  # noqa: BLE001 - a kernel this GPU or these shapes do not take: recorded, next one
+            out["kernels"][kernel] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            continue
+        finally:
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        seconds = timed["median_s"]
+        step = seconds * config.num_layers * 2
+        entry = {"ms": round(seconds * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in timed["times_s"]],
+                 "tflops": float(f"{flops.total / seconds / 1e12:.4g}"), "projected_step_s": float(f"{step:.4g}"),
+                 f"projected_{PAN2_STEPS}_steps_s": float(f"{step * PAN2_STEPS:.4g}"),
+                 "finite": bool(torch.isfinite(video_out).all())}
+        entry |= {k: round(v, 3) for k, v in timed.items() if k.endswith("_gib")}  # peak memory of the last run
+        if sdpa_out is None:
+            sdpa_out = video_out
+        entry["max_diff_vs_sdpa"] = round(float((video_out.float() - sdpa_out.float()).abs().max()
+                                                / sdpa_out.float().abs().max()), 5)
+        out["kernels"][kernel] = entry
+        del video_out
+    timed_kernels = {k: v["ms"] for k, v in out["kernels"].items() if "ms" in v}
+    out["fastest"] = min(timed_kernels, key=timed_kernels.get) if timed_kernels else None
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- the pipeline
 
 
@@ -822,6 +932,7 @@ CHILD_STEPS = {
     "conv_bench": lambda ctx, _: conv_bench(ctx),
     "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
     PIPELINE: lambda ctx, a: pipeline(ctx, a["timeout"]),
+    PAN2_BLOCK: lambda ctx, _: pan2_block(ctx),
 }
 
 
@@ -939,9 +1050,10 @@ def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
             Step(f"oracle:T={big}", "oracle", {"t": big, "frames": sizes["oracle_frames"]}, (10, 5), 90),
             Step(f"compiled_timing:T={big}", "timing", {"t": big, "names": ["compiled"]}, (20, 10), 120,
                  DIRECT),
+            Step(PAN2_BLOCK, PAN2_BLOCK, {}, (40, 10), 150),  # no table: plain torch and the attention kernels
             steps[2],
             Step(f"compiled_winograd_timing:T={big}", "timing", {"t": big, "names": ["compiled_winograd"]}, (20, 10),
-                 (120, 300), WINOGRAD),
+                 120, WINOGRAD),
             Step(f"timing:T={big}", "timing", {"t": big, "names": ["portable"]}, (30, 10), 150)]
     baselines = ["release_bf16"] + ["diffusers_bf16"] * with_diffusers
     out = steps + [Step(f"oracle:T={t}", "oracle", {"t": t}, (10, 5), 120) for t in sizes["correctness_t"]]
@@ -965,7 +1077,7 @@ def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
     for h, w in sizes["wan21_hw"]:
         wan21 = {"t": sizes["wan21_t"], "layout": "wan21", "video_hw": [h, w]}
         out += [Step(f"compiled_wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["compiled"]}, (15, 10),
-                     (90, 300), DIRECT),
+                     90, DIRECT),
                 Step(f"wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["release_bf16"]}, (40, 15), 120)]
     return out + [Step(PIPELINE, PIPELINE, {}, (60, 60), 150)]
 
@@ -1116,6 +1228,10 @@ def summary(data: dict, ctx: Context) -> dict:
                                   data.get(f"compiled_wan21_timing:{h}x{w}", {}), f"wan21 {h}x{w}"))
     if PIPELINE in data:
         out["pipeline_ok"] = data[PIPELINE].get("ok", False)
+    for kernel, entry in data.get(PAN2_BLOCK, {}).get("kernels", {}).items():
+        if "ms" in entry:
+            out[f"pan2 block {kernel} ms"] = entry["ms"]
+            out[f"pan2 {kernel} projected {PAN2_STEPS} steps s"] = entry[f"projected_{PAN2_STEPS}_steps_s"]
     return out
 
 
@@ -1181,7 +1297,7 @@ def main(argv=None) -> int:
                         help="build cache (default: build/gpu_check_cache in this tree, emptied by part 1 so that "
                              "its build is cold, reused by part 2)")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds for the whole part; no step runs past it (default: part 1 300, part 2 420; "
+                        help="seconds for the whole part; no step runs past it (default: part 1 340, part 2 420; "
                              "three times that in a dry run)")
     parser.add_argument("--frames-per-pass", type=argparse_type("frames_per_pass"), default="auto",
                         help="the timed decodes' setting (default: auto, the product's default)")

@@ -5,6 +5,7 @@ holds the two equal on the reference transformer)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fastvideo_pan2_ext.model.architecture import PAN2TransformerConfig
@@ -41,3 +42,9 @@ def step_flops(c: PAN2TransformerConfig, video_tokens: int, text_tokens: int, gu
     one = forward_flops(c, video_tokens, text_tokens)
     n = 2 if guidance else 1
     return ForwardFlops(n * one.linear, n * one.attention)
+
+
+def joint_block_flops(c: PAN2TransformerConfig, video_tokens: int, text_tokens: int) -> ForwardFlops:
+    """One joint block of a forward (its AdaLN projection included): what one more block adds to `forward_flops`."""
+    one, two = (forward_flops(dataclasses.replace(c, num_layers=n), video_tokens, text_tokens) for n in (1, 2))
+    return ForwardFlops(two.linear - one.linear, two.attention - one.attention)
