@@ -87,6 +87,7 @@ def test_bench_refuses_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_runs_as_a_script_and_as_a_module():
     for cmd in ([sys.executable, "tools/bench.py", "--help"], [sys.executable, "-m", "tools.bench", "--help"]):
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from fastvideo_pan2_ext.vae_kernel.compiled import kernels
@@ -32,6 +33,7 @@ def _decode(table, state_dict, z):
         return collect(runner.iter_bands(z, LocalRows(z.shape[3])), video_shape(config, z.shape), torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_one_table_decodes_every_model_with_its_own_weights():
     z = torch.randn(LATENTS, generator=torch.Generator().manual_seed(1))
     shared = kernels.make_ops(EmulatedExtension())

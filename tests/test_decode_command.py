@@ -270,6 +270,7 @@ def test_mistakes_are_one_line_before_any_decoding(checkpoints, tmp_path, record
     assert existing.read_bytes() == b"a user's video"
 
 
+@pytest.mark.slow
 def test_the_real_command_refuses_in_one_line_without_a_traceback(tmp_path):
     torch.save(torch.randn(1, 48, 2, 4, 6), tmp_path / "z.pt")
     proc = run([sys.executable, "-m", "fastvideo_pan2_ext.decode", str(tmp_path / "z.pt"), "--vae",
@@ -361,6 +362,7 @@ def test_latents_are_judged_by_their_declared_shape_and_dtype_before_any_is_read
     assert 0 < latents_file.memory_left() < 2**50  # the real bound reads this machine (its available memory at least)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights, says", [
     (None, "has a config.json but no weights (diffusion_pytorch_model.safetensors): is the download complete?"),
     (b"not safetensors", "cannot load it: Unable to load weights from checkpoint file"),
@@ -432,6 +434,7 @@ def _caught_signals(pid: int) -> int:
     return int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M)[1], 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when, signum, to_group, code, word", [
     ("while torch loads", signal.SIGINT, True, 130, "interrupted"),
     ("mid-decode", signal.SIGINT, True, 130, "interrupted"),

@@ -93,6 +93,7 @@ def wide_model():
     return sd, z, reference.decode(z, sd, torch.float32), reference.decode(z.to(torch.bfloat16), sd, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_wide_decoder_gives_the_same_video_within_the_allowance_for_every_pass_and_tile(wide_model, cpu_compute):
     if cpu_compute == torch.bfloat16 and not AMX_BF16:
         pytest.skip("a CPU without AMX-BF16 never decodes in bf16 (and its bf16 convs take minutes here)")
@@ -138,6 +139,7 @@ def test_fp32_call_rows_give_a_block_of_about_512_pixels_splitting_the_frame_eve
     assert ops.fp32_call_rows(100) == 6  # the frame's shape holds inside its block only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activations", [torch.bfloat16, torch.float32], ids=["bf16 (decoder)", "fp32 (encoder)"])
 def test_an_fp32_cpu_conv_gives_every_row_the_same_sums_whatever_frames_and_rows_its_call_holds(fp32_cpu,
                                                                                                activations):
@@ -269,6 +271,7 @@ print(ops.compute_dtype(torch.device("cpu")))
 _ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap, computes", [
     ({}, torch.bfloat16),
     ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, torch.float32),  # the level just below AMX

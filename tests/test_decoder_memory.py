@@ -71,6 +71,7 @@ def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_s
 TALL = (1, 8, 3, 96, 1)
 
 
+@pytest.mark.slow
 def test_max_memory_streams_in_tiles_exactly_and_within_budget(wan22_state_dict, decoder):
     z = latents(TALL, seed=7)
     expected = decoder.decode(z)
@@ -90,6 +91,7 @@ def test_max_memory_that_fits_the_whole_frame_decodes_untiled(wan22_state_dict, 
     assert roomy.plan(SHAPE).tile_rows is None and roomy.plan(SHAPE, stream=True).tile_rows is None
 
 
+@pytest.mark.slow
 def test_max_memory_too_small_for_one_row_tiles_names_budget_and_minimum(wan22_state_dict, decoder, plain):
     z, _ = plain
     tiny = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory="64KiB")
@@ -159,6 +161,7 @@ def test_auto_with_max_memory_takes_the_largest_setting_that_fits_untiled(wan22_
     assert measured <= budget, (measured, budget)
 
 
+@pytest.mark.slow
 def test_auto_with_max_memory_below_one_frame_per_pass_tiles_at_one(wan22_state_dict, auto, long_video):
     z, expected = long_video
     budget = int(1.3 * auto.peak_bytes(LONG, 1, 3)) + 1
@@ -181,6 +184,7 @@ def test_auto_fits_the_free_device_memory(monkeypatch, auto, long_video):
     assert auto.plan(LONG, stream=True).frames_per_pass == 4  # decode_iter returns no whole video
 
 
+@pytest.mark.slow
 def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatch, auto, long_video):
     z, expected = long_video
     video_bytes = expected.numel() * 2

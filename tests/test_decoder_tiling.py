@@ -20,6 +20,7 @@ def plain(wan22_state_dict):
     return z, WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch").decode(z)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_rows", [2, 5, 12, 40])
 def test_tiled_decode_is_the_plain_decode(wan22_state_dict, plain, tile_rows):
     z, expected = plain

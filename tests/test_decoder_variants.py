@@ -76,6 +76,7 @@ def plain(variant):
 SPLIT_SHAPE = (2, Z_DIM, 3, 5, 3)  # batch 2, an odd latent height (odd bands and tiles), 9 video frames
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, frames_per_pass",
     [
@@ -100,12 +101,14 @@ def test_the_algorithm_really_changes(variant, plain):
     assert not torch.equal(dataclasses.replace(variant, conv_algorithm=other).decoder().decode(z), video)
 
 
+@pytest.mark.slow
 def test_frames_per_pass_gives_the_same_video(variant):
     z = latents((1, Z_DIM, 6, 2, 3), seed=2)
     videos = [variant.decoder(fp).decode(z) for fp in (1, 2, 4)]
     assert torch.equal(videos[0], videos[1]) and torch.equal(videos[0], videos[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_rows", [1, 2, 3])
 def test_tiles_give_the_same_video(variant, plain, tile_rows):
     z, expected = plain(SPLIT_SHAPE)
@@ -113,6 +116,7 @@ def test_tiles_give_the_same_video(variant, plain, tile_rows):
         assert torch.equal(variant.decoder(tile_rows=tile_rows).decode(z), expected)
 
 
+@pytest.mark.slow
 def test_max_memory_picks_exact_tiles(variant, plain):
     z, expected = plain(SPLIT_SHAPE)
     budget = int(variant.decoder().peak_bytes(SPLIT_SHAPE, tile_rows=2) * 1.31)  # the planner's headroom is 1.3
@@ -140,6 +144,7 @@ def _rank(rank: int, world: int, tmp: str, state_dict, conv_algorithm: str):
     return decoder.decode(torch.load(f"{tmp}/latents.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3])  # 5 latent rows: direct bands of 2, 2, 1 rows; Winograd's start on even rows
 def test_bands_over_gloo_ranks_give_the_same_video(variant, plain, tmp_path, world):
     z, expected = plain(SPLIT_SHAPE)
@@ -152,6 +157,7 @@ def test_bands_over_gloo_ranks_give_the_same_video(variant, plain, tmp_path, wor
 MARGIN_SHAPE = (1, Z_DIM, 1, 19, 1)  # tall enough that a 2-row tile has a cut edge within every margin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("short", ["mid", 0, 1, 2, 3])
 def test_every_tile_margin_is_needed(variant, monkeypatch, short, fp32_cpu):
     """The exact margins give the plain decode; one row less at any one level lets a cut edge's zero rows reach the

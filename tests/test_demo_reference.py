@@ -38,6 +38,7 @@ def demo_run(tmp_path_factory):
     return out / "clip", result.stdout
 
 
+@pytest.mark.slow
 def test_demo_writes_an_mp4_of_4t_minus_3_frames_at_the_requested_size(demo_run):
     out, stdout = demo_run
     mp4 = out / "reference_decode.mp4"

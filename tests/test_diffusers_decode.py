@@ -204,6 +204,7 @@ def test_slicing_decodes_the_batch_one_element_after_another():
     assert torch.equal(_fast(vae, z), whole)
 
 
+@pytest.mark.slow
 def test_enable_tiling_gives_exact_tiles_sized_from_diffusers_tile_height():
     vae = make_wan21_vae()  # 8x spatial, as its config says
     z = _latents(vae, t=3, h=9, w=7)
@@ -305,6 +306,7 @@ def test_bad_targets_are_refused():
         enable_fast_decode(make_wan21_vae(), frames=2)
 
 
+@pytest.mark.slow
 def test_importing_the_entry_points_does_not_import_fastvideo():
     code = ("import sys, fastvideo_pan2_ext as p; p.enable_fast_decode; p.disable_fast_decode; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'fastvideo'))")

@@ -91,6 +91,7 @@ def test_a_bf16_vae_encodes_in_bf16_by_default(layout):
         vae.to(torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_every_plan_gives_the_same_moments_bit_for_bit(layout, precision):
     _, vae, size = layout
@@ -115,6 +116,7 @@ def _image_to_video(size, frames: int = 29) -> torch.Tensor:
     return video
 
 
+@pytest.mark.slow
 def test_steady_reuse_is_exact_and_recorded_level_by_level(layout):
     _, vae, size = layout
     video = _image_to_video(size)
@@ -208,6 +210,7 @@ def test_frames_past_4k_plus_1_are_dropped_with_a_warning(layout, caplog):
     assert torch.equal(encoder.encode(video), got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reuse", [False, True])
 def test_the_planner_replays_the_encode_it_plans(layout, reuse):
     """The replayed peak (the meta device, dry ops) against the storages the real encode allocates; with the steady
@@ -227,6 +230,7 @@ def test_the_planner_replays_the_encode_it_plans(layout, reuse):
         assert -0.02 * working <= planned - working <= (0.05 if reuse else 0.02) * working, plan
 
 
+@pytest.mark.slow
 def test_a_budget_picks_tiles_and_an_out_of_memory_encode_retries_smaller(layout, monkeypatch):
     name, vae, _ = layout
     video = _video(TALL[name], frames=9)

@@ -66,6 +66,7 @@ def test_a_pipeline_under_inference_mode_decodes_as_under_no_grad(cpu_compute, c
     assert torch.equal(served, expected) and torch.equal(again, expected)
 
 
+@pytest.mark.slow
 def test_fastvideo_decoding_stage_under_inference_mode(pan2, tiny_ckpt, cpu_compute, monkeypatch):
     """FastVideo's decoding stage with the fast decoder on, run under inference_mode (the decoder built there), gives
     the video it gives without."""

@@ -362,6 +362,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a 
 
 
 # Each mistake as typed: one line naming that flag, exit 2, before FastVideo starts a worker (the decoder's too).
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, line", [
     (["vae_encode_kernel", "true", "vae_encode_precision", "fp16"],
      r"vae_encode_precision must be one of \['auto', 'fp32', 'bf16'\]; got 'fp16'$"),
@@ -403,6 +404,7 @@ def test_pan2_cli_encoder_and_decoder_mistakes_are_one_line_before_any_model_loa
     assert len(lines) == 1 and re.match("fastvideo generate: error: " + line, lines[0]), lines
 
 
+@pytest.mark.slow
 def test_the_command_lines_budget_check_plans_as_the_workers_do(tiny_ckpt):
     """The check before any model loads plans from the checkpoint's VAE on the meta device: the same refusal as the
     worker's encoder and decoder (made from the real weights) at a budget too small, and both take the least budget

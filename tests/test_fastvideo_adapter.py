@@ -7,6 +7,8 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from _pan2_helpers import run_python
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -46,6 +48,7 @@ WITHOUT_THE_WEB_STACK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_pan2_registers_without_fastvideos_web_stack_and_only_its_server_needs_it():
     run = run_python(WITHOUT_THE_WEB_STACK)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -64,6 +67,7 @@ REMOVED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_fastvideo_without_a_seam_is_one_error_line_at_register():
     proc = run_python(REMOVED, env_extra={"FASTVIDEO_PLUGINS": ""})  # the hook loads nothing; the script does
     assert proc.returncode == 0 and "imported and carried on" in proc.stdout, proc.stderr[-2000:]

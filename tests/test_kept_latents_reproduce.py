@@ -33,6 +33,7 @@ def _hub_cache(root, checkpoint):
     return root
 
 
+@pytest.mark.slow
 def test_a_hub_checkpoint_with_a_bf16_vae_is_decoded_again_bit_for_bit(pan2, tiny_ckpt, tmp_path, monkeypatch):
     import huggingface_hub.constants
 

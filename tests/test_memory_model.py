@@ -166,6 +166,7 @@ def _held_inside_one_call(decoder: WanVAEDecoder, z: torch.Tensor) -> int:
 REPLAY_TOLERANCE = 0.02  # the replay against the tensors a real decode makes (`LiveBytes`), either way
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_rows", [None, 2])
 def test_the_replay_matches_the_cpu_allocators_peak(wan22_state_dict, tile_rows, cpu_compute):
     """What the planner replays is what torch's allocator really held for the decode (beyond the returned video),
@@ -212,6 +213,7 @@ def test_buffers_a_conv_call_holds_beyond_its_tensors_are_what_the_bound_allows(
     assert allocated <= estimate / (1 - REPLAY_TOLERANCE) + inside, (estimate, allocated, inside)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frames, tile_rows, stream", [(3, None, False), (3, 2, False), (3, None, True),
                                                      (3, 4, True), (4, 2, False)])  # 4: the last pass is shorter
 def test_the_replay_counts_what_the_real_decode_allocates(wan22_state_dict, frames, tile_rows, stream, cpu_compute):

@@ -60,6 +60,7 @@ def oracle(wan22_vae, wan22_state_dict):
     return Oracle(wan22_vae, wan22_state_dict)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world):
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -23,6 +25,7 @@ conv(); conv()
 """ % onednn_calls.MARK
 
 
+@pytest.mark.slow
 def test_the_summary_counts_only_the_primitives_after_the_mark():
     run = subprocess.run([sys.executable, "-c", _CONVS], env={**os.environ, "ONEDNN_VERBOSE": "1"},
                          capture_output=True, text=True, timeout=120, check=True)

@@ -202,6 +202,7 @@ def _decode(latents_and_vae, output: Path, *extra) -> int:
         return exc.code
 
 
+@pytest.mark.slow
 def test_the_decode_command_never_writes_through_a_planted_link(latents_and_vae, tmp_path, victims, capsys):
     shared = tmp_path / "shared"  # a folder others can write in
     shared.mkdir()

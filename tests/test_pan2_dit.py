@@ -298,6 +298,7 @@ def _sp_rank(rank: int, world: int, tmp: str, port: int, root: str) -> torch.Ten
     return _run(model, *_inputs(seed=3, latent_shape=SP_LATENT_SHAPE))
 
 
+@pytest.mark.slow
 def test_two_sequence_parallel_ranks_give_one_ranks_output(loaded, checkpoint, tmp_path):
     root, _ = checkpoint
     alone = _run(loaded["fp32"], *_inputs(seed=3, latent_shape=SP_LATENT_SHAPE))
@@ -407,6 +408,7 @@ def _fa4_process(rank: int, world: int, tmp: str, port: int, root: str, fa4: str
         return {"applied": applied, "backends": backends, "calls": calls, "out": out}
 
 
+@pytest.mark.slow
 def test_fa4_runs_every_attention_on_datacenter_blackwell_through_fastvideos_choice(tmp_path):
     """On sm_100 with FA4 importable and FASTVIDEO_FA4 unset, PAN2's policy turns FA4 on and every joint and refiner
     attention is a call of FA4 through FastVideo's flash-attention backend (none bypasses FastVideo's choice, which

@@ -79,6 +79,7 @@ def _budget_that_tiles(pan2) -> int:
     return int(1.3 * (decoder.peak_bytes(shape, tile_rows=1) + decoder.peak_bytes(shape)) / 2)
 
 
+@pytest.mark.slow
 def test_fast_decoder_decodes_each_sample_of_a_batch_as_alone(pan2, tiny_ckpt, plain):
     assert plain.shape == VIDEO_SHAPE and plain.dtype == torch.float32
     for b in range(2):
@@ -86,6 +87,7 @@ def test_fast_decoder_decodes_each_sample_of_a_batch_as_alone(pan2, tiny_ckpt, p
         assert torch.equal(alone, plain[b:b + 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields", [{"vae_decode_tile_rows": 1}, {"vae_decode_tile_rows": 2}, "budget"],
                          ids=["tile_rows=1", "tile_rows=2", "max_memory"])
 def test_tiled_and_budgeted_decodes_are_the_untiled_decode(pan2, tiny_ckpt, plain, plain_tall, fields):
@@ -100,6 +102,7 @@ def test_tiled_and_budgeted_decodes_are_the_untiled_decode(pan2, tiny_ckpt, plai
         assert decoder.plan(latents.shape).tile_rows is not None  # it really decoded in tiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("tile_rows", [None, 1, 2])
 def test_streamed_save_is_fastvideos_save_of_the_decoded_video(pan2, tiny_ckpt, plain, tmp_path, batch, tile_rows):
@@ -119,6 +122,7 @@ def test_a_budget_too_small_for_one_row_tiles_is_a_clear_error(pan2, tiny_ckpt, 
         _stage_output(pan2, tiny_ckpt, LATENTS, vae_decode_kernel=True, vae_decode_max_memory="1MiB")
 
 
+@pytest.mark.slow
 def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_ckpt, plain_tall, tmp_path):
     """Streamed tiles advance together, so every tile's causal history is alive at once: at this small frame no
     tile size streams within a budget that one-at-a-time tiles fit. The stage says so before writing any frame, and

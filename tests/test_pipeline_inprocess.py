@@ -42,6 +42,7 @@ def test_fastvideo_builds_pan2_pipeline_from_the_public_layout(pan2):
     assert type(pipeline.get_module("text_encoder")).__name__ == "Qwen3_5TextModel"  # transformers' own
 
 
+@pytest.mark.slow
 def test_first_frame_reaches_vae_encoder_bit_identical_to_reference(pan2, tiny_ckpt, tmp_path):
     """Every sign-off file through the real pipeline; the tensor is captured as the condition stage hands it to the
     VAE's encode (the real stage boundary) and compared with `reference.load_first_frame`."""
@@ -286,6 +287,7 @@ def _bad_input_cases(tiny_ckpt, wan22_stock, tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_bad_input_gets_one_clear_error_line(pan2, tiny_ckpt, wan22_stock, tmp_path, monkeypatch, capsys):
     import re
 

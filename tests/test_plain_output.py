@@ -85,6 +85,7 @@ def decode_argv(wan22_vae, tmp_path_factory) -> list[str]:
 SHOW_AT_ONCE = {"TQDM_DELAY": "0", "TQDM_MININTERVAL": "0"}
 
 
+@pytest.mark.slow
 def test_the_decode_command_writes_plain_lines_to_a_pipe_and_a_file(decode_argv, tmp_path):
     video = tmp_path / "v.mp4"
     code, _, out, err = run_on([*decode_argv, str(video)], tmp_path, env=SHOW_AT_ONCE)
@@ -93,6 +94,7 @@ def test_the_decode_command_writes_plain_lines_to_a_pipe_and_a_file(decode_argv,
     assert ESC not in out + err and CR not in out + err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_the_decode_command_draws_its_bar_on_a_terminal(decode_argv, tmp_path):
     video = tmp_path / "v.mp4"
     code, shown, out, err = run_on([*decode_argv, str(video)], tmp_path, terminal=("stderr",), env=SHOW_AT_ONCE)
@@ -101,6 +103,7 @@ def test_the_decode_command_draws_its_bar_on_a_terminal(decode_argv, tmp_path):
     assert out == f"wrote 33 frames to {video}\n".encode() and err == b""
 
 
+@pytest.mark.slow
 def test_the_tiny_checkpoint_maker_prints_its_folder_only(tmp_path):
     """README's first command: its folder on stdout, nothing on stderr (no bar of transformers' save)."""
     folder = tmp_path / "wan21-tiny"
@@ -128,6 +131,7 @@ WORKER_OUTPUT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fastvideos_colours_go_to_a_terminal_only(tmp_path):
     code, shown, out, err = run_on([sys.executable, "-c", WORKER_OUTPUT], tmp_path, terminal=("stderr",))
     assert code == 0, (shown + out + err)[-3000:]

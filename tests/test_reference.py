@@ -74,6 +74,7 @@ def _decoder_only(state_dict):
 # --- bit-exactness ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", SCALE)
 @pytest.mark.parametrize(
     "dtype_name, frames, batch, size", MATRIX, ids=[f"{d}-T{t}-B{b}-{h}x{w}" for d, t, b, (h, w) in MATRIX]

@@ -77,6 +77,7 @@ def _assert_equal(ours, theirs):
 # --- bit-exactness ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, dtype_name, frames, batch, size", MATRIX,
                          ids=[f"{l}-{d}-F{f}-B{b}-{h}x{w}" for l, d, f, b, (h, w) in MATRIX])
 def test_encode_is_bit_exact_with_diffusers(models, oracles, layout, dtype_name, frames, batch, size):

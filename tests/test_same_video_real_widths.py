@@ -64,6 +64,7 @@ def _wan21_decode(rank: int, world: int, tmp: str, compute: torch.dtype) -> torc
     return decoder.decode(random_latents(WAN21_LATENTS, seed=4))
 
 
+@pytest.mark.slow
 def test_bands_over_gloo_ranks_give_the_same_video_at_wan21s_real_widths(tmp_path, cpu_compute):
     with torch_threads():
         single = _wan21_decode(0, 1, str(tmp_path), cpu_compute)

@@ -56,6 +56,7 @@ def test_the_self_check_covers_every_op_shape_of_the_real_encoders_but_conv_in()
     assert {"conv3d 12 -> 160 k3x3x3", "conv3d 3 -> 96 k3x3x3"} <= encoders
 
 
+@pytest.mark.slow
 def test_every_production_case_runs_on_the_kernels_within_the_allowance():
     ext = EmulatedExtension()
     results = selfcheck.self_check(make_ops(ext), CPU, keep_going=True)

@@ -138,6 +138,7 @@ def test_tiny_cli_rejects_a_file_as_out_dir(tmp_path):
 # ---- PAN2's public layout: manifests -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pan2_cli_writes_the_modular_manifest_by_default(pan2_cli_ckpt):
     assert (pan2_cli_ckpt / "modular_model_index.json").is_file()
     assert not (pan2_cli_ckpt / "model_index.json").exists()

@@ -207,6 +207,7 @@ PARTS = {"decoder": weights.DECODER, "encoder fp32": weights.encoder_part(torch.
          "encoder bf16": weights.encoder_part(torch.bfloat16)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vae_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_first_min", [1, weights.CPU_CHANNELS_FIRST_MIN])  # 1: every 3x3 conv channels first
 @pytest.mark.parametrize("part", sorted(PARTS))
