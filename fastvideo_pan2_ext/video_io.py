@@ -210,6 +210,7 @@ class PartialFile:
         self.name = self.target.name
         self._parent: int | None = None
         self._fd: int | None = None
+        self.folder_id: tuple[int, int] | None = None  # set once the folder is known to be the one made here
         error = None
         try:
             self._make(root)
@@ -272,7 +273,7 @@ class PartialFile:
         """Remove the partial file and its folder (the folder by name only while that name is still it). Idempotent;
         while a writer in another process still writes there (the folder is not empty again), the folder stays and
         a later call removes it."""
-        if self._fd is not None and self._parent is not None:
+        if self._fd is not None and self._parent is not None and self.folder_id is not None:
             for name in os.listdir(self._fd):  # the file, and anything a writer left beside it
                 try:
                     os.unlink(name, dir_fd=self._fd)

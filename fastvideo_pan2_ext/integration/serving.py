@@ -279,6 +279,7 @@ class PAN2Server:
                 self._running[request_id] = (Path(kwargs["output_path"]), flag)  # before a DELETE can see it run
                 if not await adapter.update_job(request_id, {"status": "in_progress", "progress": 0}):
                     self._running.pop(request_id, None)
+                    flag.clear()  # a DELETE meanwhile may have set it
                     logger.info("Video %s was deleted before its turn: not generated", request_id)
                     return
                 start = time.perf_counter()
@@ -389,10 +390,11 @@ class PAN2Server:
         except OSError:
             raise HTTPException(status_code=404, detail=f"the video of {video_id} is no longer the file this server "
                                 "wrote (replaced or removed)") from None
+        file = os.fdopen(fd, "rb")  # a file object now: closed when collected even if the download never starts
         size = os.fstat(fd).st_size
 
         def chunks():
-            with os.fdopen(fd, "rb") as file:  # closed however the download ends
+            with file:  # closed however the download ends
                 while chunk := file.read(1 << 20):
                     yield chunk
 
