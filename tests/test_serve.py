@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import select
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -90,7 +92,11 @@ def _truncated_jpeg(path: Path, image: Path) -> Path:
 def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folder, tmp_path):
     jobs_before = len(server.client.get("/v1/videos").json()["data"])
     outside = tmp_path / "outside"
+    other_host = socket.create_server(("127.0.0.1", 0))  # FastVideo would fetch from it, whatever it sends
     refused = {
+        "a reference_url over http": (
+            server.submit_json(prompt="x", reference_url=f"http://127.0.0.1:{other_host.getsockname()[1]}/big.jpg",
+                               size=SIZE, num_frames=FRAMES), "this server fetches no reference_url over http(s)"),
         "size 300x200": (server.submit(image, prompt="x", size="300x200", num_frames=FRAMES),
                          "height must be a positive multiple of 32; got 200"),
         "truncated JPEG": (server.submit(_truncated_jpeg(tmp_path / "cut.jpg", image), prompt="x", size=SIZE,
@@ -129,6 +135,8 @@ def test_bad_requests_are_refused_at_submission_in_one_line(server, image, folde
         detail = response.json()["detail"]
         assert words in detail and "\n" not in detail, (case, detail)
     assert len(server.client.get("/v1/videos").json()["data"]) == jobs_before  # no job was made
+    assert not select.select([other_host], [], [], 0)[0], "the server connected to the reference_url's host"
+    other_host.close()
     assert not outside.exists() and not (folder / "escape").exists()
     assert not (server.output_dir.parent / "planted.jpg").exists()
     uploads = server.output_dir / "uploads"

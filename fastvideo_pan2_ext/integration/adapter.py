@@ -604,6 +604,10 @@ def _replace_server_parts(*, check_request: Callable, run_job: Callable, health:
 
     def make_save(save):
         async def save_image_to_path(image, target_path: str) -> str:
+            if isinstance(image, str) and image.lower().startswith(("http://", "https://")):
+                raise ValueError("this server fetches no reference_url over http(s) (a client could make it read any "
+                                 "host, any size, into memory): send the image itself (multipart input_reference, "
+                                 "or a data: URL)")
             path = _in_uploads(target_path)
             try:
                 saved = await (save(image, path) if isinstance(image, str) else _save_upload(image, path))
