@@ -95,10 +95,14 @@ class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
     def forward(self, batch, fastvideo_args):
         if not isinstance(batch.prompt, str):
             raise ValueError(f"PAN2 takes one prompt string per request; got {type(batch.prompt).__name__}")
-        parked = next(self.text_encoder.parameters()).device
-        moved = parked.type != adapter.local_torch_device().type
+        from torch.distributed.tensor import DTensor
+
+        first, device = next(self.text_encoder.parameters()), adapter.local_torch_device()
+        parked = first.device
+        # FastVideo's rule: an FSDP-wrapped encoder (DTensor weights) moves its own layers; a plain one is moved.
+        moved = parked.type != torch.device(device).type and not isinstance(first, DTensor)
         if moved:
-            self.text_encoder.to(adapter.local_torch_device())
+            self.text_encoder.to(device)
         try:
             batch.prompt_embeds = [self._embeds(batch.prompt, fastvideo_args)]
             if batch.do_classifier_free_guidance:
