@@ -269,10 +269,10 @@ class PartialFile:
         finally:
             self.discard()
 
-    def discard(self) -> None:
+    def discard(self) -> bool:
         """Remove the partial file and its folder (the folder by name only while that name is still it). Idempotent;
         while a writer in another process still writes there (the folder is not empty again), the folder stays and
-        a later call removes it."""
+        a later call removes it. -> whether it is done (nothing of it left to remove, no descriptor held)."""
         if self._fd is not None and self._parent is not None and self.folder_id is not None:
             for name in os.listdir(self._fd):  # the file, and anything a writer left beside it
                 try:
@@ -285,8 +285,9 @@ class PartialFile:
                     os.rmdir(self.folder_name, dir_fd=self._parent)
             except OSError as exc:
                 if exc.errno == errno.ENOTEMPTY:
-                    return  # written again since the listing: kept open for the next call
+                    return False  # written again since the listing: kept open for the next call
         self.close()
+        return True
 
     def close(self) -> None:
         for fd in (self._fd, self._parent):

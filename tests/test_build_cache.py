@@ -160,6 +160,36 @@ def test_builder_killed_mid_build_never_blocks_the_next_process_which_removes_it
     assert not list((tmp_path / "build").iterdir()), "the killed builder's folder (or its lock) was left behind"
 
 
+# A builder that makes its folder's lock as a build does, then is killed before the build makes the folder.
+LOCK_ONLY_BUILDER = """
+import os, signal, sys
+from pathlib import Path
+from fastvideo_pan2_ext.vae_kernel.compiled import build
+build._hold_build_lock(build._build_folder(Path(sys.argv[1]), Path("tiny_cache_ext-key")))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_lock_left_without_its_folder_is_removed_when_its_builder_is_dead_never_when_alive(tmp_path):
+    builds = build.private_folder(tmp_path, "build")
+    killed = subprocess.Popen([sys.executable, "-c", LOCK_ONLY_BUILDER, str(builds)], env=_env(),
+                              stderr=subprocess.PIPE, text=True)
+    _, err = killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL, err[-3000:]
+    (dead,) = builds.iterdir()
+    assert build._builder_pid(dead) == killed.pid and dead.name.endswith(".lock")
+    # Live builders: one between making its lock and holding it (this process's pid; the lock free), one holding it.
+    between = build._build_lock_path(build._build_folder(builds, Path("tiny_cache_ext-key")))
+    os.close(os.open(between, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    holding = build._build_folder(builds, Path("tiny_cache_ext-key"))
+    held = build._hold_build_lock(holding)
+    try:
+        assert build.remove_dead_builds(builds) == [dead]
+        assert sorted(builds.iterdir()) == sorted([between, build._build_lock_path(holding)])
+    finally:
+        os.close(held)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "tampered"])
 def test_damaged_entry_is_detected_moved_aside_and_rebuilt(tmp_path, raced, source, damage):
     raced_root, offset, _ = raced

@@ -277,6 +277,34 @@ def test_more_than_one_video_per_request_is_refused_before_any_work(pan2, tiny_c
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "fastvideo-saves"])
+def test_a_failed_requests_partial_file_is_released_when_it_ends(tiny_ckpt, tmp_path, streamed):
+    """A request that fails in FastVideo (here its forward: this generator has no executor), made as the server's job
+    thread makes one, leaves no partial file and nothing listed for the end of the process (a server's failed and
+    deleted jobs used to stay listed until it stopped)."""
+    from fastvideo import VideoGenerator
+    from fastvideo.api.sampling_param import SamplingParam
+    from fastvideo.fastvideo_args import FastVideoArgs
+
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig
+    from fastvideo_pan2_ext.integration import cancel, request_failure
+
+    args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt),
+                                     pipeline_config=PAN2PipelineConfig(vae_decode_kernel=streamed))
+    generator = object.__new__(VideoGenerator)
+    generator.fastvideo_args = args
+    sampling = SamplingParam.from_pretrained(str(tiny_ckpt))
+    sampling.save_video, sampling.return_frames = True, False
+    assert streamed_save.streams(args, sampling) == streamed
+    listed = set(streamed_save._in_flight)
+    (tmp_path / "out").mkdir()
+    with request_failure.failing_alone(), cancel.cancellable(cancel.CancelFlag(str(tmp_path / "flag"))):
+        with pytest.raises(RuntimeError, match="Forward execution thread failed"):
+            generator._generate_single_video("a cat", sampling, args, output_path=str(tmp_path / "out" / "x.mp4"))
+    assert streamed_save._in_flight == listed
+    assert not any((tmp_path / "out").iterdir())
+
+
 def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_stream(pan2, tiny_ckpt):
     from fastvideo.api.sampling_param import SamplingParam
 

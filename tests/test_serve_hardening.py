@@ -69,6 +69,38 @@ def test_a_plain_serve_config_on_a_pan2_checkpoint_gets_pan2s_rules(request, tmp
     assert serving.serves_pan2("IFM/PAN2") and not serving.serves_pan2("Wan-AI/Wan2.2-TI2V-5B-Diffusers")
 
 
+def test_an_operators_default_output_path_outside_output_dir_is_refused_at_start_in_one_line(tiny_ckpt, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """FastVideo writes every request without an output_path to it; below output_dir it is taken as FastVideo takes it
+    (a relative one from the working folder) and resolved once; elsewhere every job used to fail at its save."""
+    from fastvideo_pan2_ext.integration import adapter, serving
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "link-out").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "out" / "link-in").symlink_to(tmp_path / "out" / "videos", target_is_directory=True)
+
+    def validated(output_path):
+        config = tmp_path / "serve.yaml"
+        config.write_text(yaml.safe_dump({"generator": {"model_path": str(tiny_ckpt)}, "server": {"output_dir": "out"},
+                                          "default_request": {"output": {"output_path": output_path}}}))
+        args = argparse.Namespace(config=str(config), pipeline=None, _unknown=None)
+        serving._validate(args, None)
+        return adapter.default_output_path(adapter.validated_serve_config_of(args).default_request)
+
+    assert validated("out/kept/../defaults") == str(tmp_path / "out" / "defaults")
+    assert validated("out/link-in") == str(tmp_path / "out" / "videos")
+    for outside in ("elsewhere", str(tmp_path / "elsewhere"), "out/../elsewhere", "out/link-out", "/"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            validated(outside)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"fastvideo serve: error: default_request.output.output_path must be a folder under server.output_dir "
+            f"({tmp_path / 'out'}); got {outside!r}"]
+
+
 def _cancel_on_rank(rank: int, world: int, tmp: str) -> list:
     """Rank 0 sees its job's flag set before step 2, rank 1 (a moment behind) not yet: both must stop at step 2."""
     import types

@@ -3,6 +3,7 @@ config refused in one line before any model loads (the real `fastvideo serve` co
 
 from __future__ import annotations
 
+import resource
 
 import pytest
 import yaml
@@ -33,6 +34,20 @@ def test_the_serving_options_are_checked(tmp_path):
     for bad in (-1, float("nan"), "10", True):
         with pytest.raises(ValueError, match="server.upload_retention_s must be a number of seconds >= 0"):
             ServingRules.from_config(str(tmp_path), upload_retention_s=bad)
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] == resource.RLIM_INFINITY,
+                    reason="no hard limit on open files here")
+def test_more_kept_videos_than_this_process_may_hold_open_is_refused(tmp_path):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert ServingRules.from_config(str(tmp_path)).max_kept_videos == 1000
+    with pytest.raises(ValueError, match=rf"server.max_kept_videos {hard} holds as many files open: with "
+                                         rf"server.max_connections 64 and 256 more, {hard + 320}, over this process's "
+                                         rf"limit of {hard} open files \(ulimit -Hn\): lower it, or raise the limit"):
+        ServingRules.from_config(str(tmp_path), max_kept_videos=hard)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"server.max_kept_videos must be a whole number >= 1; got {bad!r}"):
+            ServingRules.from_config(str(tmp_path), max_kept_videos=bad)
 
 
 def test_the_scale_out_options_are_checked():

@@ -254,8 +254,12 @@ SERVE_SEAMS = (
          "uploads/<request id>_<the client's file name>, a name that can hold a path ('../x'): PAN2 keeps it in "
          "uploads/", replaced=True),
     Seam("fastvideo.entrypoints.openai.video_api", "_build_generation_kwargs", "PAN2 checks every request here, "
-         "before a job exists: FastVideo's create_video calls it, then queues the job", replaced=True,
-         mentions="os.makedirs(output_dir"),
+         "before a job exists: FastVideo's create_video calls it, then queues the job; it makes the video's folder "
+         "(following links), so PAN2 hands it one that exists and makes the request's own once it passed",
+         replaced=True, mentions="os.makedirs(output_dir"),
+    Seam("fastvideo.api.compat", "explicit_request_updates", "the default_request fields the operator wrote, which "
+         "_build_generation_kwargs applies: its output_path is checked at start and used as FastVideo uses it"),
+    Seam("fastvideo.api.schema", "OutputConfig.output_path", "... set to the folder it names, resolved at start"),
     Seam("fastvideo.entrypoints.openai.video_api", "_run_generation", "FastVideo runs jobs concurrently in the "
          "default thread pool over one unlocked worker pipe (clients get each other's videos): PAN2 runs one at a "
          "time", replaced=True),
@@ -575,6 +579,18 @@ def video_server_app(config, **parts):
                                  output_dir=config.server.output_dir, default_request=config.default_request)
 
 
+def default_output_path(default_request) -> str | None:
+    """The folder a serve config's `default_request` sends videos to when the operator set one (FastVideo's
+    `_build_generation_kwargs` applies only the fields written), else None."""
+    from fastvideo.api.compat import explicit_request_updates
+
+    return None if default_request is None else explicit_request_updates(default_request).get("output_path")
+
+
+def set_default_output_path(config, folder: str) -> None:
+    config.default_request.output.output_path = folder
+
+
 def check_default_request(config) -> None:
     """FastVideo's start-up check of a serve config's `default_request` against the model's preset."""
     from fastvideo.entrypoints.openai import api_server
@@ -585,8 +601,10 @@ def check_default_request(config) -> None:
 
 def _replace_server_parts(*, check_request: Callable, run_job: Callable, health: Callable, stopped: Callable,
                           deleted: Callable, content: Callable, middleware=()) -> None:
-    """In this process's FastVideo server modules: `check_request(request_id, req, original)` in place of its
-    request-to-kwargs step (returns the kwargs, or raises fastapi's HTTPException), `run_job(request_id, kwargs)` (a
+    """In this process's FastVideo server modules: `check_request(request_id, req, build, default_folder)` in place of
+    its request-to-kwargs step (`build(folder)`: FastVideo's kwargs for the request with its video in `folder`, which
+    FastVideo makes, following links; `default_folder`: `default_output_path` of the default_request; returns the
+    kwargs, or raises fastapi's HTTPException), `run_job(request_id, kwargs)` (a
     coroutine) in place of its job runner, `health()` (a coroutine returning a response) as /health,
     `content(video_id)` as GET /v1/videos/{video_id}/content, `deleted(job)` called with each job a DELETE removed
     from the job store, `stopped()` called after FastVideo's shutdown (uvicorn re-raises a SIGTERM after it: nothing
@@ -599,7 +617,8 @@ def _replace_server_parts(*, check_request: Callable, run_job: Callable, health:
 
     build = video_api._build_generation_kwargs
     video_api._build_generation_kwargs = lambda request_id, req, default_request=None: check_request(
-        request_id, req, lambda: build(request_id, req, default_request=default_request))
+        request_id, req, lambda folder: build(request_id, req.model_copy(update={"output_path": str(folder)}),
+                                              default_request=default_request), default_output_path(default_request))
     video_api._run_generation = run_job
 
     def make_save(save):

@@ -14,12 +14,15 @@ serve config whose ``model_path`` is a PAN2 checkpoint (`serves_pan2`), runs Fas
   worker serves the next one. ``/health`` answers 503 when a worker process is gone.
 - What one request may cost (`ServingRules`, `LIMITS`: operator keys under ``server:``): its size, frames and steps
   (400), the jobs waiting (429), and at the HTTP layer (`http_limits`) its body, headers and their times (413, 431,
-  408). ``DELETE`` of a running job stops it at its next denoising step (`cancel`).
+  408); and how many finished videos the server keeps (``server.max_kept_videos``: past it, the oldest goes, and its
+  content is a 410). ``DELETE`` of a running job stops it at its next denoising step (`cancel`).
 - Files: a request's ``input_reference`` path is read only when it is the image the client sent (multipart upload,
   ``reference_url``) or, if the operator names one (``server.input_dir``), a file under that folder; a request's
-  ``output_path`` must be a folder under ``server.output_dir``; no link below it is followed when a video is
-  written, and a job's content is only the file it wrote (`content`). Uploads are removed when their job ends (or
-  ``server.upload_retention_s`` seconds later). The host defaults to 127.0.0.1.
+  ``output_path`` must be a folder under ``server.output_dir`` (so must the operator's
+  ``default_request.output.output_path``, checked at start), made only once the whole request passed its checks; no
+  link below it is followed when a video is written, and a job's content is only the file it wrote (`content`).
+  Uploads are removed when their job ends (or ``server.upload_retention_s`` seconds later). The host defaults to
+  127.0.0.1.
 - The video is saved while it is decoded (`streamed_save`): the request asks for no frames back.
 - Stopping (Ctrl-C, SIGTERM): after FastVideo's shutdown the workers are stopped, partial videos and the jobs'
   uploads removed.
@@ -81,6 +84,7 @@ class ServingRules:
     header_timeout_s: float = 10.0  # a request's headers all in (slowloris); also an idle connection's keep-alive
     body_timeout_s: float = 120.0  # a request's body all in (a slow upload): 50 MB needs 420 kB/s
     max_connections: int = 64  # uvicorn's limit_concurrency: past it, a 503
+    max_kept_videos: int = 1000  # completed jobs' videos kept (each held open: `PAN2Server._written`), the newest
 
     @classmethod
     def from_config(cls, output_dir: str, input_dir=None, upload_retention_s=0.0, **limits) -> ServingRules:
@@ -93,8 +97,23 @@ class ServingRules:
             _check_number(name, value, whole=not name.endswith("_s"))
         out = Path(output_dir).resolve()
         check_writable(out / "videos" / "video.mp4", root=out)
-        return cls(out, Path(input_dir).resolve() if input_dir else None, float(upload_retention_s),
-                   **{name: value if not name.endswith("_s") else float(value) for name, value in limits.items()})
+        rules = cls(out, Path(input_dir).resolve() if input_dir else None, float(upload_retention_s),
+                    **{name: value if not name.endswith("_s") else float(value) for name, value in limits.items()})
+        rules.check_open_files()
+        return rules
+
+    def check_open_files(self) -> None:
+        """ValueError unless this process may hold the kept videos open, with a descriptor for each connection and
+        `OPEN_FILES_BESIDE` more (the soft limit is raised to the hard one: `_allow_open_files`)."""
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        needed = self.max_kept_videos + self.max_connections + OPEN_FILES_BESIDE
+        if hard != resource.RLIM_INFINITY and needed > hard:
+            raise ValueError(f"server.max_kept_videos {self.max_kept_videos} holds as many files open: with "
+                             f"server.max_connections {self.max_connections} and {OPEN_FILES_BESIDE} more, {needed}, "
+                             f"over this process's limit of {hard} open files (ulimit -Hn): lower it, or raise the "
+                             f"limit")
 
     def options(self) -> dict:
         """The `server:` keys that make these rules (for `from_config` in another process)."""
@@ -113,7 +132,8 @@ def _check_number(name: str, value, whole: bool = False, zero: bool = False) -> 
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(ServingRules) if f.name != "output_dir")  # keys of `server:`
-LIMITS = OPTIONS[OPTIONS.index("max_pixels"):]  # what one request may cost
+LIMITS = OPTIONS[OPTIONS.index("max_pixels"):]  # what one request may cost, and what the server keeps
+OPEN_FILES_BESIDE = 256  # a server's descriptors beside its connections and kept videos (worker pipes, logs, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +175,8 @@ def _within(path: Path, folder: Path) -> bool:
 
 
 def _allow_open_files() -> None:
-    """Every completed job's video is held open until the job is deleted (`PAN2Server._written`): the soft limit
-    on open files is raised to the hard one, as servers that hold many files do."""
+    """The newest `max_kept_videos` completed jobs' videos are held open (`PAN2Server._written`): the soft limit on
+    open files is raised to the hard one, as servers that hold many files do (`ServingRules.check_open_files`)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -176,9 +196,12 @@ class PAN2Server:
         self._turn: asyncio.Lock | None = None  # made in the server's event loop
         self._uploads: dict[str, Path] = {}  # request id -> the image its client sent
         self._queued: set[str] = set()  # accepted jobs waiting for their turn
-        self._running: dict[str, tuple[Path, cancel.CancelFlag]] = {}  # request id -> its video and stop flag
+        # request id -> what it has moved into place so far (video_io.WrittenFile, `streamed_save.recording`), its
+        # stop flag
+        self._running: dict[str, tuple[list, cancel.CancelFlag]] = {}
         # request id -> (the video_io.WrittenFile of its completed job, a read descriptor of that file held open: an
-        # inode in use is never reused, so (device, inode) names that file alone until the job is deleted)
+        # inode in use is never reused, so (device, inode) names that file alone), oldest first: the newest
+        # `max_kept_videos` until their jobs are deleted
         self._written: dict[str, tuple[object, int]] = {}
         _allow_open_files()
         self._flags = Path(tempfile.mkdtemp(prefix="pan2-jobs-"))  # the jobs' stop flags (mode 0700)
@@ -195,9 +218,11 @@ class PAN2Server:
         uploads = Path(adapter.served_output_dir()).resolve() / "uploads"
         return path if path.parent == uploads and path.name.startswith(f"{request_id}_") else None
 
-    def check_request(self, request_id: str, req, build):
-        """The job's generate_video kwargs (FastVideo's `build()`), or a 400 naming the first problem (a 429 when
-        `max_queued_jobs` wait already)."""
+    def check_request(self, request_id: str, req, build, default_folder: str | None):
+        """The job's generate_video kwargs (FastVideo's `build(folder)`, the video in `folder`), or a 400 naming the
+        first problem (a 429 when `max_queued_jobs` wait already). `default_folder`: the operator's
+        default_request output_path (None: not set). The whole request is checked before its folder is made: a
+        refused one leaves none."""
         from fastapi import HTTPException
 
         upload = self._upload_of(request_id, req)
@@ -207,10 +232,12 @@ class PAN2Server:
             raise HTTPException(status_code=429, detail=f"{len(self._queued)} jobs are waiting, this server's limit "
                                 f"(server.max_queued_jobs): submit again later")
         try:
-            self._check_output_path(req)
-            kwargs = build()
+            folder = self._output_folder(req, default_folder)
+            kwargs = build(self.rules.output_dir)  # a folder that exists: FastVideo's makedirs makes none
             kwargs["return_frames"] = False  # nothing comes back but the file: the decoding stage writes it
             self._check_inputs(req, kwargs, upload)
+            os.close(open_folder(folder, self.rules.output_dir))  # made now, without following a link
+            kwargs["output_path"] = str(folder / Path(kwargs["output_path"]).name)  # FastVideo's name for the video
         except (ValueError, OSError) as exc:
             if upload is not None:
                 upload.unlink(missing_ok=True)
@@ -220,16 +247,18 @@ class PAN2Server:
         self._queued.add(request_id)
         return kwargs
 
-    def _check_output_path(self, req) -> None:
+    def _output_folder(self, req, default_folder: str | None) -> Path:
+        """The folder the request's video goes to (not made here), as FastVideo chooses it: the request's
+        output_path, else the operator's default (under output_dir: `check_default_output`), else
+        output_dir/videos."""
         if "output_path" not in req.model_fields_set or not req.output_path:
-            return
-        # Lexical (an absolute path stays itself): a link below output_dir is refused, never followed.
+            return Path(default_folder) if default_folder else self.rules.output_dir / "videos"
+        # Lexical (an absolute path stays itself): a link below output_dir is refused when it is made, never followed.
         folder = Path(os.path.normpath(self.rules.output_dir / req.output_path))
         if not _within(folder, self.rules.output_dir):
             raise ValueError(f"output_path must be a folder under the server's output_dir ({self.rules.output_dir}); "
                              f"got {req.output_path!r}")
-        os.close(open_folder(folder, self.rules.output_dir))  # made here, without following a link (FastVideo's
-        req.output_path = str(folder)  # makedirs then finds it)
+        return folder
 
     def _check_inputs(self, req, kwargs: dict, upload: Path | None) -> None:
         image = kwargs.get("image_path")  # None: text-to-video
@@ -276,17 +305,17 @@ class PAN2Server:
             async with self._turn:
                 self._queued.discard(request_id)
                 flag = cancel.CancelFlag(str(self._flags / request_id))
-                self._running[request_id] = (Path(kwargs["output_path"]), flag)  # before a DELETE can see it run
+                wrote: list = []  # the file it moves into place (FastVideo may name it `name_1.mp4`)
+                self._running[request_id] = (wrote, flag)  # before a DELETE can see it run
                 if not await adapter.update_job(request_id, {"status": "in_progress", "progress": 0}):
                     self._running.pop(request_id, None)
                     flag.clear()  # a DELETE meanwhile may have set it
                     logger.info("Video %s was deleted before its turn: not generated", request_id)
                     return
                 start = time.perf_counter()
-                result, error = None, None
+                error = None
                 try:
-                    result = await asyncio.get_running_loop().run_in_executor(self._thread, self._generate, kwargs,
-                                                                              flag)
+                    await asyncio.get_running_loop().run_in_executor(self._thread, self._generate, kwargs, flag, wrote)
                     update = {"status": "completed", "progress": 100, "completed_at": int(time.time()),
                               "inference_time_s": time.perf_counter() - start}
                 except Exception as exc:  # this job failed; the server goes on
@@ -295,7 +324,7 @@ class PAN2Server:
                 kept = await adapter.update_job(request_id, update)
                 self._running.pop(request_id, None)
                 flag.clear()
-                written = result.get(streamed_save.WRITTEN_KEY) if isinstance(result, dict) else None
+                written = wrote[0] if wrote else None
                 if not kept:  # deleted while it ran: its video goes too
                     logger.info("Video %s was deleted while it ran: %s", request_id, "stopped" if error else
                                 "its video removed")
@@ -307,6 +336,7 @@ class PAN2Server:
                     if written is not None:  # FastVideo's save may have chosen another name (`name_1.mp4`)
                         self._keep(request_id, written)
                         await adapter.update_job(request_id, {"file_path": written.path})
+                        await self._release_oldest()
                     logger.info("Video %s completed in %.2fs", request_id, update["inference_time_s"])
         finally:
             self._drop_upload(request_id)
@@ -319,10 +349,32 @@ class PAN2Server:
             logger.warning("Video %s: its file %s changed before it could be kept: %s", request_id, written.path,
                            first_line(exc))
 
+    async def _release_oldest(self) -> None:
+        """Past `max_kept_videos` kept videos, the oldest go (closed and removed); their jobs stay, with no file (their
+        content: a 410)."""
+        for request_id in list(self._written)[:max(len(self._written) - self.rules.max_kept_videos, 0)]:
+            await adapter.update_job(request_id, {"file_path": None})
+            if self._forget(request_id, "released"):
+                logger.info("Video %s removed: this server keeps its %d newest videos (server.max_kept_videos)",
+                            request_id, self.rules.max_kept_videos)
+
+    def _forget(self, request_id: str, why: str) -> bool:
+        """Close and remove the video a completed job wrote (the file it wrote, never through a link); -> whether it
+        had one kept."""
+        written, pin = self._written.pop(request_id, (None, None))
+        if written is None:
+            return False
+        os.close(pin)
+        try:
+            remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
+        except OSError as exc:  # the job goes on without it all the same; the file stays, and the log says so
+            logger.warning("Video %s %s, but its file %s could not be removed: %s", request_id, why, written.path, exc)
+        return True
+
     @staticmethod
-    def _generate(kwargs: dict, flag: cancel.CancelFlag):
-        with request_failure.failing_alone(), cancel.cancellable(flag):
-            return adapter.served_generator().generate_video(**kwargs)
+    def _generate(kwargs: dict, flag: cancel.CancelFlag, wrote: list) -> None:
+        with request_failure.failing_alone(), cancel.cancellable(flag), streamed_save.recording(wrote):
+            adapter.served_generator().generate_video(**kwargs)
 
     @staticmethod
     def _reason(exc: BaseException) -> str:
@@ -360,14 +412,7 @@ class PAN2Server:
         if request_id in self._running:
             self._running[request_id][1].set()
             logger.info("Video %s deleted while it runs: it stops at its next denoising step", request_id)
-        written, pin = self._written.pop(request_id, (None, None))
-        if written is not None:
-            os.close(pin)
-            try:
-                remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
-            except OSError as exc:  # the job is gone all the same; the file stays, and the log says so
-                logger.warning("Video %s deleted, but its file %s could not be removed: %s", request_id, written.path,
-                               exc)
+        self._forget(request_id, "deleted")
 
     async def content(self, video_id: str):
         """GET /v1/videos/{id}/content: the regular file this server wrote for the job, opened without following a
@@ -379,6 +424,9 @@ class PAN2Server:
         if not job:
             raise HTTPException(status_code=404, detail="Video not found")
         written, _ = self._written.get(video_id, (None, None))
+        if written is None and job.get("status") == "completed" and not job.get("file_path"):  # `_release_oldest`
+            raise HTTPException(status_code=410, detail=f"the video of {video_id} was removed: this server keeps its "
+                                f"{self.rules.max_kept_videos} newest videos (server.max_kept_videos)")
         if written is None and job.get("status") != "completed":
             if job.get("status") == "failed":
                 raise HTTPException(status_code=500, detail="Video generation failed")
@@ -435,7 +483,8 @@ class PAN2Server:
         cli.stop_workers()
         streamed_save.remove_left_partials()
         for request_id in list(self._running):  # its job never ended: a video finished during the shutdown goes too
-            remove_video(self._running.pop(request_id)[0], self.rules.output_dir)
+            for written in self._running.pop(request_id)[0]:  # the file it wrote, whatever FastVideo named it
+                remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
         for request_id in list(self._uploads):
             self._uploads.pop(request_id).unlink(missing_ok=True)
         shutil.rmtree(self._flags, ignore_errors=True)
@@ -462,6 +511,7 @@ def _pan2_serve_config(raw: dict):
     # Resolved once, here: the jobs' paths are then below it as written (no link is followed below it), and the
     # replicas, which run in Ray's working folder, get this command's.
     config.server.output_dir = str(rules.output_dir)
+    check_default_output(config, rules.output_dir)
     if replicas.replicas is not None:
         _scale_out()  # Ray Serve is there
         adapter.check_default_request(config)  # before any replica loads a model
@@ -470,6 +520,20 @@ def _pan2_serve_config(raw: dict):
     else:
         apply_fa4_policy()  # in the parent, so the workers it spawns inherit the decision
     return config, rules, replicas
+
+
+def check_default_output(config, output_dir: Path) -> None:
+    """The operator's `default_request.output.output_path` (if set) resolved, as FastVideo takes it (a relative one
+    from the working folder), and set back; ValueError unless it is a folder under `output_dir` (every job sent
+    there would fail when its video is saved)."""
+    path = adapter.default_output_path(config.default_request)
+    if not path:
+        return
+    folder = Path(path).resolve()
+    if not _within(folder, output_dir):
+        raise ValueError(f"default_request.output.output_path must be a folder under server.output_dir ({output_dir}); "
+                         f"got {path!r}")
+    adapter.set_default_output_path(config, str(folder))
 
 
 def _scale_out():

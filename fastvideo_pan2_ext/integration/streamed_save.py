@@ -20,15 +20,17 @@ and the `DecodeFailed` FastVideo wraps in a RuntimeError is raised here as itsel
 
 Either way the parent makes the `PartialFile` beside the target (a private folder of a random name; below the
 server's output_dir, set by `confine_outputs`, no link is followed), the video is written into it and the parent
-renames it into place only when complete, recording what it wrote (`WRITTEN_KEY` in the result: the file a server
-serves); a failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo runs
-it. A streamed decode that runs out of memory after its first frames were written starts the file again at the decoder's
-smaller plan (`WanVAEDecoder.decode_iter`'s `DecodeRestart`): the partial file is discarded and rewritten, so the
-target only ever receives the whole video.
+renames it into place only when complete, recording what it wrote where its caller asks (`recording`: the file a
+server serves); a failed or interrupted request removes the partial file. Every other request runs exactly as FastVideo
+runs it. A streamed decode that runs out of memory after its first frames were written starts the file again at the
+decoder's smaller plan (`WanVAEDecoder.decode_iter`'s `DecodeRestart`): the partial file is discarded and rewritten,
+so the target only ever receives the whole video.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import itertools
@@ -47,7 +49,6 @@ from . import adapter, cancel, decode_failure, fast_decode, memory_check, reques
 logger = logging.getLogger(__name__)
 
 KEY = "pan2_streamed_save"  # batch.extra key of the request
-WRITTEN_KEY = "pan2_written"  # the result's key of the video_io.WrittenFile the parent moved into place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,6 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
     target = Path(kwargs["output_path"])
     partial = PartialFile(target, root=_root)  # one line (OSError) for a target or folder that is a link
     _in_flight.add(partial)
-    failed = True
     try:
         if streams(args, sampling_param):
             sampling_param = copy.copy(sampling_param)
@@ -153,19 +153,34 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
         else:
             result = original(generator, prompt, sampling_param, fastvideo_args,
                               **{**kwargs, "output_path": partial.path})
-        result[WRITTEN_KEY] = partial.commit()
+        written = partial.commit()
+        if _written_to.get() is not None:
+            _written_to.get().append(written)
         result["video_path"] = str(target)
         logger.info("Saved video to %s", target)
-        failed = False
     finally:
-        if not failed:
-            _in_flight.discard(partial)  # a failed request's stays listed until its workers are stopped
-        partial.discard()  # only there if the request failed or was interrupted
+        # Only there if the request failed or was interrupted. Once removed it is released (a served job's when the
+        # job ends); one a worker still writes into (an interrupted request) stays listed until the workers stop.
+        if partial.discard():
+            _in_flight.discard(partial)
     return result
 
 
-_in_flight: set[PartialFile] = set()  # partial files of this process's requests that have not completed
+_in_flight: set[PartialFile] = set()  # partial files of this process's requests not yet committed or removed
 _root: Path | None = None  # `confine_outputs`
+_written_to: contextvars.ContextVar[list | None] = contextvars.ContextVar("pan2_written_to", default=None)
+
+
+@contextlib.contextmanager
+def recording(written: list):
+    """The video each request this thread makes inside the block moves into place is appended to `written` (its
+    `video_io.WrittenFile`) as soon as it is there: a server knows what a job wrote even if it stops before the job
+    ends."""
+    token = _written_to.set(written)
+    try:
+        yield
+    finally:
+        _written_to.reset(token)
 
 
 def confine_outputs(root) -> None:

@@ -659,13 +659,9 @@ def _build_and_publish(root: Path, entry: Path, spec: ExtensionSpec, key: str, i
                        timeout_s: float | None) -> None:
     builds = private_folder(root, "build")
     remove_dead_builds(builds)
-    private = builds / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    # The folder's lock, made and held before the folder exists, for as long as this build lives (the kernel drops it
-    # when this process dies, even by SIGKILL): a folder whose lock is free is a dead builder's (`remove_dead_builds`).
-    lock_fd = os.open(_build_lock_path(private), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600)
+    private = _build_folder(builds, entry)
+    lock_fd = _hold_build_lock(private)
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         private.mkdir(mode=0o700)
         start = time.monotonic()
         built = _timed_build(spec, private, timeout_s)
@@ -681,10 +677,54 @@ def _build_lock_path(folder: Path) -> Path:
     return folder.with_name(folder.name + ".lock")
 
 
+def _build_folder(builds: Path, entry: Path) -> Path:
+    """A new build folder's path for `entry` (not made yet): `<entry>-<this pid>-<random>` (`_builder_pid`)."""
+    return builds / f"{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _builder_pid(lock_path: Path) -> int | None:
+    """The builder's pid in the name of its folder's lock (`_build_folder`), or None."""
+    parts = lock_path.name[:-len(".lock")].rsplit("-", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _hold_build_lock(folder: Path) -> int:
+    """The held lock of the build folder `folder`, made and flocked before the folder exists, for as long as this build
+    lives (the kernel drops it when this process dies, even by SIGKILL): a folder whose lock is free is a dead
+    builder's (`remove_dead_builds`). Between its creation and its flock the lock is free: a remover that cannot see
+    this pid (another pid namespace sharing the cache) may take it for a dead builder's and remove it, so once held
+    it must still be the file at its name, else it is made again."""
+    path = _build_lock_path(folder)
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            named = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            named = None
+        held = os.fstat(fd)
+        if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+    raise OSError(f"cannot hold the build lock {path}: removed 100 times as soon as it was made")
+
+
 def remove_dead_builds(builds: Path) -> list[Path]:
     """Remove the build folders under `builds` (private: `private_folder`) whose builder died mid-build, each told by
-    its lock (`_build_and_publish`): a lock no process holds. A live builder's lock cannot be taken, so its folder
-    stays; a folder without a lock (made before locks were) is left as it is. Returns the folders removed."""
+    its lock (`_hold_build_lock`): a lock no process holds. A live builder's lock cannot be taken, so its folder
+    stays; a folder without a lock (made before locks were) is left as it is. A free lock without its folder is a
+    builder's that died between the two, or one's about to flock it: removed only when the pid in its name is no
+    live process. Returns what was removed: each folder, and each lock that was left without one."""
     removed = []
     for lock_path in sorted(builds.glob("*.lock")):
         try:
@@ -699,12 +739,17 @@ def remove_dead_builds(builds: Path) -> list[Path]:
             except BlockingIOError:
                 continue  # a live builder's
             folder = lock_path.with_name(lock_path.name[:-len(".lock")])
-            if not os.path.lexists(folder):  # a builder between its lock and its folder waits for this one's
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
+            if os.path.lexists(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+                logger.info("removed %s, the build folder of a builder that died mid-build", folder)
+            else:
+                pid = _builder_pid(lock_path)
+                if pid is None or _alive(pid):  # maybe a builder between its lock and its flock: never removed
+                    continue
+                removed.append(lock_path)
+                logger.info("removed %s, the lock of a builder that died before making its folder", lock_path)
             lock_path.unlink(missing_ok=True)
-            removed.append(folder)
-            logger.info("removed %s, the build folder of a builder that died mid-build", folder)
         finally:
             os.close(fd)
     return removed
