@@ -334,7 +334,7 @@ def test_the_checks_see_the_forms_in_use():
              "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py",  # 7
              "`vae_kernel.definitions.precision.exact_fp32` `vae_kernel.precision.exact_fp32` `memory.retry_plan`",  # 8
              "`memory.no_such_plan` `torch.equal` `fa4.py` `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder`",  # 9
-             "`weights.DecoderWeights.no_such_method` `bands.RankRows.check_peers`",  # 10
+             "`weights.PreparedWeights.no_such_method` `bands.RankRows.check_peers`",  # 10
              '"""']
     text = "\n".join(lines) + "\n"
     sections = [(line, title) for line, _, _, title in section_citations(citing, text)]
@@ -355,5 +355,5 @@ def test_the_checks_see_the_forms_in_use():
         "tools/planted_citations.py:8: `memory.retry_plan`: no module memory.retry_plan and no retry_plan in memory",
         ("tools/planted_citations.py:9: `memory.no_such_plan`: no module memory.no_such_plan and no no_such_plan in "
          "memory"),
-        ("tools/planted_citations.py:10: `weights.DecoderWeights.no_such_method`: class weights.DecoderWeights "
+        ("tools/planted_citations.py:10: `weights.PreparedWeights.no_such_method`: class weights.PreparedWeights "
          "defines no no_such_method")]

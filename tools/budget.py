@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.distributed.bands import LocalRows  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.portable.network import DecodeState, NetworkPass  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.portable.network import CausalState, DecodePass  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
@@ -105,13 +105,13 @@ def decode_budget(frames: int, height: int, width: int, fpp: int, config=WAN22_C
     meta = torch.device("meta")
     weights = {name: prepare(name, torch.empty(shape, device=meta)) for name, shape in expected_shapes(config).items()}
     h, w = height // config.spatial_scale, width // config.spatial_scale
-    budget, state = Budget(), DecodeState(meta)
+    budget, state = Budget(), CausalState(meta)
     ops = budget.ops()
     passes = [1] + [min(fpp, frames - 1 - start) for start in range(0, frames - 1, fpp)]
     with GlueBytes(budget), FlopCounterMode(display=False) as glue_flops:
         for index, count in enumerate(passes):
             z = torch.empty((config.z_dim, count, h, w), device=meta)
-            NetworkPass(ops, weights, config, LocalRows(h), state, index == 0).run(z)
+            DecodePass(ops, weights, config, LocalRows(h), state, index == 0).run(z)
     budget.flops["glue: post_quant_conv (fp32 matmul)"] = glue_flops.get_total_flops()
     return {"flops": dict(budget.flops), "bytes": dict(budget.bytes),
             "winograd_flops": budget.winograd_flops + glue_flops.get_total_flops()}

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from tools.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes  # noqa: E402
-from fastvideo_pan2_ext.vae_kernel.planning.memory import DecodePlan, MemoryPlanner  # noqa: E402
+from fastvideo_pan2_ext.vae_kernel.planning.memory import MemoryPlanner, Plan  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
@@ -67,7 +67,7 @@ def timed(make, z, repeats: int):
     return statistics.median(times), video, decoder
 
 
-def ladder(start: DecodePlan, stream: bool) -> list[str]:
+def ladder(start: Plan, stream: bool) -> list[str]:
     """The plans a decode of a 193-frame video (T = 49, 704x1248) tries, from `start`, when every plan runs out of
     memory."""
     meta = torch.device("meta")
@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     rows["replan_s"] = round(time.perf_counter() - start, 3)
     print(f"of which choosing the smaller plan (the planner's replays, none cached): {rows['replan_s']:.3f} s")
     start = time.perf_counter()
-    pan2 = {"decode": ladder(DecodePlan(8, None), False)}
+    pan2 = {"decode": ladder(Plan(8, None), False)}
     rows["pan2_decode_ladder_planning_s"] = round(time.perf_counter() - start, 1)  # every retry's plan, on this CPU
-    pan2["decode_iter"] = ladder(DecodePlan(8, None), True)
+    pan2["decode_iter"] = ladder(Plan(8, None), True)
     for kind, plans in pan2.items():
         print(f"PAN2's video, {kind}, every plan failing: " + " -> ".join(plans))
     result = {

@@ -3,8 +3,9 @@
 The same math as `reference.decode` (diffusers' `AutoencoderKLWan.decode`), organised for speed by the modules below
 this one: `network` (one pass of the network over a band of rows), `passes` (the loops over passes, bands and tiles),
 `bands` (how rows are split across ranks), `memory` (peak working memory and the plan: `memory.choose_plan`),
-`backends` (which op table runs: portable or compiled). This module validates input, runs the plan, keeps the ranks
-in step (`agreement`) and retries a decode that ran out of memory.
+`backends` (which op table runs: portable or compiled), on the worker core it shares with the encoder (`worker`:
+device and group, the weights that follow the VAE, the ranks' agreement, the attempts and their out-of-memory
+retries). This module validates the latents, plans the decode and runs its passes.
 """
 
 from __future__ import annotations
@@ -13,52 +14,23 @@ import logging
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from . import options as options_mod
 from .backends import select_ops
 from .definitions.architecture import check_latents, video_shape
-from .distributed.agreement import (AttemptFailed, DecodeRequest, agree, failure, finish, retry_choice, settle,
-                                    supported_dtype)
-from .distributed.bands import FAILED, OK, LocalRows, RankRows, comm_device
+from .distributed.agreement import AttemptFailed, supported_dtype
+from .distributed.bands import LocalRows
 from .planning import memory
-from .planning.memory import DecodePlan
+from .planning.memory import DecodePlan, Plan  # noqa: F401 - DecodePlan: the plan's name before the encoder shared it
 from .portable import weights as weights_mod
-from .portable.passes import Chunk, PassRunner, latent_passes
+from .portable.passes import Chunk, DecodeRunner, latent_passes
+from .worker import Job, VAEOutOfMemoryError, Worker
 
 logger = logging.getLogger(__name__)
 
 
-def _module_device(vae_or_state_dict):
-    """Where a module's weights are (the decoder's default device); "cuda" for a state dict or a weightless module."""
-    if isinstance(vae_or_state_dict, torch.nn.Module):
-        weight = next(vae_or_state_dict.parameters(), None)
-        if weight is not None and weight.device.type != "meta":
-            return weight.device
-    return "cuda"
-
-
-def _resolve_device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be a torch device or its name; got {device!r} (names are such as 'cuda', "
-                         "'cuda:1', 'cpu')") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device} requested but CUDA is not available (torch sees no GPU here): "
-                             "decode on the CPU (device='cpu')")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-class DecodeOutOfMemoryError(torch.OutOfMemoryError):
+class DecodeOutOfMemoryError(VAEOutOfMemoryError):
     """A decode ran out of memory at every plan it tried, the smallest included (`plans`: each, in order)."""
-
-    def __init__(self, message: str, plans: tuple[DecodePlan, ...]) -> None:
-        super().__init__(message)
-        self.plans = plans
 
 
 class DecodeRestart(torch.OutOfMemoryError):
@@ -66,12 +38,12 @@ class DecodeRestart(torch.OutOfMemoryError):
     what it received and iterates `decode_iter(latents)` again, which decodes from the first frame at `plan` (the
     decoder keeps it for latents of this shape). Raised on every rank of a group alike."""
 
-    def __init__(self, message: str, plan: DecodePlan) -> None:
+    def __init__(self, message: str, plan: Plan) -> None:
         super().__init__(message)
         self.plan = plan
 
 
-class WanVAEDecoder:
+class WanVAEDecoder(Worker):
     """The fast Wan VAE decoder (the Wan2.2 and the Wan2.1 layout).
 
     `WanVAEDecoder(vae_or_state_dict, device=None, pg=None, local=False, **options)` takes diffusers' (or
@@ -96,92 +68,26 @@ class WanVAEDecoder:
     nothing was measured, and on CPU); honoured by every backend (`backends.select_ops`).
     """
 
+    WORK = "decode"
+    OUT_OF_MEMORY = DecodeOutOfMemoryError
+
     def __init__(self, vae_or_state_dict, device=None, pg=None, local: bool = False, **options) -> None:
         opts = self.options = options_mod.check(options)
         self.frames_per_pass = opts.frames_per_pass
-        self.tile_rows = None
-        self.max_memory = None
-        self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
+        self._place(vae_or_state_dict, device, pg, local)
         weights = weights_mod.checked(vae_or_state_dict)  # a bad state dict is an error before any build
         self.ops = select_ops(opts.backend, self.device, opts.conv_algorithm)
-        self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights, self.device,
-                                                   self.ops.cpu_compute_layout)
+        self._weights = weights_mod.PreparedWeights(vae_or_state_dict, weights, self.device,
+                                                    self.ops.cpu_compute_layout)
         self.config = self._weights.config
-        if pg is None and not local and dist.is_available() and dist.is_initialized():
-            pg = dist.group.WORLD
-        # A group of one rank decodes alone (and may tile), e.g. in a one-GPU FastVideo process.
-        self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
-        self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
         self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
-        self.last_plan: DecodePlan | None = None  # what the latest decode or decode_iter ran (the ranks' agreed plan)
-        # The plans the latest decode (or decode_iter, over its restarts) ran out of memory at, in order
-        # (docs/design.md, "Out-of-memory retries"); empty when the first plan held.
-        self.last_retries: tuple[DecodePlan, ...] = ()
-        self._ceilings: dict[tuple, DecodePlan] = {}  # (T, h, w, stream) -> the plan a retry chose: plans stay below
-        self._tried: dict[tuple, list[DecodePlan]] = {}  # plans that ran out of memory, across decode_iter restarts
-        if opts.tile_rows is not None:
-            self.enable_tiling(opts.tile_rows)
-        if opts.max_memory is not None:
-            self.set_max_memory(opts.max_memory)
+        self._tried: dict[tuple, list[Plan]] = {}  # plans that ran out of memory, across decode_iter restarts
+        self._tiling(opts)
 
-    @property
-    def backend(self) -> str:
-        return self.ops.name
-
-    @property
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The prepared weights (name -> tensor, in execution order; empty while released)."""
-        return self._weights.tensors
-
-    # ---------------------------------------------------------------------------------------------------------------
-    # The weights follow the VAE (weights.DecoderWeights; docs/design.md, "What a weight change costs")
-    # ---------------------------------------------------------------------------------------------------------------
-
-    def sync_weights(self) -> bool:
-        """Bring the prepared weights in step with the VAE this decoder was made from (every decode does this
-        first); True when any changed. A new architecture is taken too (the plans of the old one are dropped)."""
-        changed = self._weights.sync()
-        if self._weights.config != self.config:
-            self.config = self._weights.config
-            self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
-            self._ceilings.clear()
-            self._tried.clear()
-        return changed
-
-    def release_weights(self) -> None:
-        """Free the prepared weights (the VAE left this decoder's device); the next decode prepares them again from
-        the VAE. ValueError for a decoder made from a state dict (they are its only copy)."""
-        self._weights.release()
-
-    def follow_vae(self) -> None:
-        """Call after the VAE this decoder was made from moved (`.to()`): when its weights are no longer on this
-        decoder's device, the prepared weights leave it too (`release_weights`)."""
-        where = self._weights.module_device()
-        if where is not None and where != self.device and self.weights:
-            self.release_weights()
-
-    @property
-    def is_root(self) -> bool:
-        """Whether this rank receives the video (rank 0 of the decode group, or a single-rank decoder)."""
-        return self.pg is None or dist.get_rank(self.pg) == 0
-
-    def enable_tiling(self, tile_rows: int) -> None:
-        """Decode in tiles of `tile_rows` latent rows, one after another (exact; peak memory falls with the tile)."""
-        options_mod.check({"tile_rows": tile_rows})
-        if self.pg is not None:
-            raise ValueError("tiled decode runs on one rank: pass local=True (or no process group) to use tile_rows")
-        self.tile_rows, self.max_memory = tile_rows, None
-
-    def set_max_memory(self, max_memory: int | str) -> None:
-        """Choose the tile per latent shape so that the decode's peak working memory fits `max_memory` bytes."""
-        budget = memory.parse_bytes(max_memory)
-        if self.pg is not None:
-            raise ValueError("max_memory tiles the decode, which runs on one rank: pass local=True (or no process "
-                             "group)")
-        self.tile_rows, self.max_memory = None, budget
-
-    def disable_tiling(self) -> None:
-        self.tile_rows = self.max_memory = None
+    def _drop_plans(self) -> None:  # a new architecture (`sync_weights`)
+        super()._drop_plans()
+        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
+        self._tried.clear()
 
     # ---------------------------------------------------------------------------------------------------------------
     # Memory (memory.MemoryPlanner)
@@ -197,15 +103,14 @@ class WanVAEDecoder:
             frames_per_pass = self.plan(shape, stream).frames_per_pass
         return self._planner.peak_bytes(shape, frames_per_pass, tile_rows, stream)
 
-    def plan(self, latents_shape, stream: bool = False) -> DecodePlan:
+    def plan(self, latents_shape, stream: bool = False) -> Plan:
         """How `decode` (or, stream=True, `decode_iter`) decodes latents of `latents_shape` on this rank now (with
         "auto", the free device memory is read at each call); ValueError when `max_memory` cannot be met. Never
         larger than a plan an earlier decode of this shape retried at after running out of memory."""
         shape = self._shape(latents_shape)
         planned = memory.choose_plan(self._planner, shape, self.frames_per_pass, self.tile_rows, stream,
                                      self.max_memory, self._ranks, self.ops.row_multiple)
-        ceiling = self._ceilings.get((shape[2:], stream))
-        return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
+        return self._capped(planned, (shape[2:], stream))
 
     def _shape(self, latents_shape) -> tuple[int, ...]:
         shape = tuple(latents_shape)
@@ -214,12 +119,8 @@ class WanVAEDecoder:
                              f"{latents_shape!r}")
         return shape
 
-    @property
-    def _ranks(self) -> int:
-        return 1 if self.pg is None else dist.get_world_size(self.pg)
-
     # ---------------------------------------------------------------------------------------------------------------
-    # Input checks (every rank agrees before any work starts)
+    # Input checks (every rank agrees before any work starts: `worker.Worker._agreed_plan`)
     # ---------------------------------------------------------------------------------------------------------------
 
     def _input_error(self, latents) -> str | None:
@@ -236,37 +137,31 @@ class WanVAEDecoder:
             return "latents contain NaN or Inf"
         return None
 
-    def _start(self, latents, stream: bool) -> tuple[DecodePlan, LocalRows]:
-        """Check the input and plan the decode; the ranks of a group first agree on both (`agreement.agree`: an error
-        on one rank, whatever it is, raises on all; they decode at the `memory.smallest` of their plans)."""
+    def _start(self, latents, stream: bool) -> tuple[Plan, LocalRows]:
+        """Check the input and plan the decode, the ranks of a group agreeing on both."""
 
-        def checked_plan() -> DecodePlan:
+        def checked() -> tuple[torch.Tensor, Plan]:
             error = self._input_error(latents)
             if error:
                 raise ValueError(error)
-            return self.plan(latents.shape, stream)
+            return latents, self.plan(latents.shape, stream)
 
-        if self.pg is None:
-            plan = checked_plan()
-        else:
-            planned = agree(self.pg, self._comm_device, lambda: DecodeRequest.of(
-                latents, self.frames_per_pass, checked_plan().frames_per_pass, self.config, self._weights.checksum()))
-            plan = memory.smallest(DecodePlan(fpp, None) for fpp in planned)
-        self.last_plan = plan
-        return plan, self._rows(latents.shape[3])
+        return self._agreed_plan(checked, self.frames_per_pass), self._rows(latents.shape[3])
 
     # ---------------------------------------------------------------------------------------------------------------
     # Decoding
     # ---------------------------------------------------------------------------------------------------------------
 
-    def _rows(self, height: int) -> LocalRows:
-        return LocalRows(height) if self.pg is None else RankRows(height, self.pg, self.device, self.ops.row_multiple)
-
-    def _runner(self, plan: DecodePlan) -> PassRunner:
-        return PassRunner(self.ops, self.weights, self.config, self.device, plan.frames_per_pass)
+    def _runner(self, plan: Plan) -> DecodeRunner:
+        return DecodeRunner(self.ops, self.weights, self.config, self.device, plan.frames_per_pass)
 
     def output_shape(self, latents: torch.Tensor) -> tuple[int, ...]:
         return video_shape(self.config, latents.shape)
+
+    def _job(self, latents: torch.Tensor, stream: bool) -> Job:
+        key = (tuple(latents.shape[2:]), stream)
+        return Job(latents, tuple(latents.shape), f"latents {list(latents.shape)}", key, self._planner, stream,
+                   self._tried.setdefault(key, []))
 
     def decode_iter(self, latents: torch.Tensor) -> Iterator[Chunk]:
         """Decode pass by pass: yields (sample index, first video frame, chunk [1, 3, F, 16h, 16w] bf16 or None on
@@ -280,7 +175,8 @@ class WanVAEDecoder:
         In a group, a consumer that stops before the last chunk, or before the first, closes the iterator (`close()`,
         or by dropping it): the other ranks then raise instead of waiting for this one."""
         start = self._start(latents, stream=True)
-        chunks = self._attempts(latents, True, start)
+        chunks = self._attempts(self._job(latents, True), start,
+                                lambda plan, rows: self._attempt(latents, plan, rows, True, None), primed=False)
         next(chunks)  # to its first yield, before any work: from here on, closing it tells the group
         return chunks
 
@@ -290,116 +186,47 @@ class WanVAEDecoder:
         smallest plan fails too."""
         start = self._start(latents, stream=False)
         video: list[torch.Tensor] = []  # allocated and filled inside each attempt, so that a failure there is heard
-        for _ in self._attempts(latents, False, start, video):
+
+        def deliver(item: Chunk) -> None:  # copied into the video inside the attempt (a retry copies it again)
+            b, frame, chunk = item
+            if chunk is not None:
+                video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # allocates nothing
+
+        for _ in self._attempts(self._job(latents, False), start,
+                                lambda plan, rows: self._attempt(latents, plan, rows, False, video), deliver,
+                                video.clear):
             pass  # decode's attempts yield nothing
         return video[0] if video else None
 
-    # ---------------------------------------------------------------------------------------------------------------
-    # Out-of-memory retries (docs/design.md, "Out-of-memory retries")
-    # ---------------------------------------------------------------------------------------------------------------
-
-    def _attempt(self, latents, plan: DecodePlan, rows: LocalRows, stream: bool, video: list | None):
-        """One attempt's chunks. decode (video is a list): the video is allocated here on the root, and tiles are
-        decoded into it before anything is yielded."""
+    def _attempt(self, latents, plan: Plan, rows: LocalRows, stream: bool,
+                 video: list | None) -> tuple[Iterator[Chunk], int]:
+        """One attempt's chunks, and how many this rank makes. decode (video is a list): the video is allocated here
+        on the root, and tiles are decoded into it before anything is yielded."""
         runner = self._runner(plan)
         if video is not None and rows.is_root:
             video.clear()
             video.append(torch.empty(self.output_shape(latents), dtype=torch.bfloat16, device=self.device))
         if plan.tile_rows is None:
-            return runner.iter_bands(latents, rows) if rows.active else iter(())
+            if not rows.active:
+                return iter(()), 0
+            return runner.iter_bands(latents, rows), latents.shape[0] * len(latent_passes(latents.shape[2],
+                                                                                         plan.frames_per_pass))
         if stream:
-            return runner.iter_tiles(latents, plan.tile_rows)
+            return runner.iter_tiles(latents, plan.tile_rows), \
+                latents.shape[0] * len(latent_passes(latents.shape[2], plan.frames_per_pass))
         runner.decode_tiles(latents, video[0], plan.tile_rows)
-        return iter(())
+        return iter(()), 0
 
-    def _attempts(self, latents, stream: bool, start, video: list | None = None) -> Iterator[Chunk]:
-        """Every attempt of one decode: each runs from the start at its plan; the ranks of a group settle each one
-        together (`agreement.settle`)."""
-        key = (tuple(latents.shape[2:]), stream)
-        tried = self._tried.setdefault(key, [])
-        yielded = False
-        primed = video is not None  # decode_iter's iterator is started by decode_iter itself (see there)
-        plan, rows = start
-        while True:
-            chunks = error = None
-            try:
-                try:
-                    chunks = self._attempt(latents, plan, rows, stream, video)
-                    remaining = 0 if not rows.active or plan.tile_rows is not None and not stream else \
-                        latents.shape[0] * len(latent_passes(latents.shape[2], plan.frames_per_pass))
-                    if not primed:
-                        primed = True
-                        yield None
-                    for item in chunks:
-                        remaining -= 1
-                        if video is None:
-                            yielded = True  # decode_iter's consumer has it: a retry cannot take it back
-                            yield item
-                        elif item[2] is not None:  # decode: copied into the video here (a retry copies it again)
-                            b, frame, chunk = item
-                            video[0][b:b + 1, :, frame:frame + chunk.shape[2]].copy_(chunk)  # allocates nothing
-                            del chunk
-                        del item  # not held while the next pass runs
-                except GeneratorExit:  # the consumer stopped: the group hears of it unless every chunk was out
-                    status = OK if remaining <= 0 else FAILED
-                    finish(rows, status)
-                    try:
-                        settle(rows, status, None, False, "its consumer stopped iterating decode_iter")
-                    except AttemptFailed:
-                        pass
-                    raise
-                finish(rows, OK)
-                settle(rows, OK, None, yielded)
-                break
-            except GeneratorExit:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - the group hears of any failure, an interrupt too
-                error = exc  # raised again below, on this rank
-            finally:
-                if chunks is not None and hasattr(chunks, "close"):
-                    chunks.close()  # drops the attempt's tensors
-                chunks = None
-            if video:
-                video.clear()
-            failed = failure(error, rows, yielded)
-            error = None
-            if failed.error is not None:
-                raise failed.error
-            if failed.status == FAILED:
-                raise failed.peer_error
-            plan, rows = self._retry(latents, stream, key, tried, plan, failed)
-        self.last_retries = tuple(tried)
-        tried.clear()
-
-    def _retry(self, latents, stream: bool, key, tried: list, failed: DecodePlan,
-               attempt: AttemptFailed) -> tuple[DecodePlan, LocalRows]:
-        """After an out-of-memory attempt (on any rank): release what it held, choose the plan below it (the ranks
-        take the `memory.smallest` of their proposals, in a round that a rank whose choice fails joins too), warn,
-        and start again (or raise when no smaller plan is left)."""
-        text, yielded = attempt.text, attempt.yielded
-        tried.append(failed)
-
-        def proposal() -> DecodePlan | None:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            shape = memory.band_shape(latents.shape, self._ranks, self.ops.row_multiple)
-            return self._planner.retry_plan(shape, failed.frames_per_pass, failed.tile_rows, stream,
-                                            may_tile=self.pg is None)
-
-        smaller = retry_choice(self.pg, self._comm_device, proposal)
-        if smaller is None:
-            plans = "; ".join(str(p) for p in tried)
-            self.last_retries = tuple(tried)
-            tried.clear()
-            raise DecodeOutOfMemoryError(f"the VAE decode of latents {list(latents.shape)} ran out of memory at every "
-                                         f"plan it tried, the smallest included: {plans} ({text})",
-                                         tuple(self.last_retries)) from None
-        self._ceilings[key] = smaller
-        if yielded:
+    def _resume(self, job: Job, failed: Plan, smaller: Plan, attempt: AttemptFailed,
+                rows: LocalRows) -> tuple[Plan, LocalRows]:
+        """After a retry's plan was chosen: the decode starts again (checked and agreed as at first), or, when
+        decode_iter had yielded chunks, `DecodeRestart` on every rank."""
+        text = attempt.text
+        if attempt.yielded:
             logger.warning("VAE decode ran out of memory at %s after it had yielded frames; decode_iter restarts "
                            "from the first frame at %s (%s)", failed, smaller, text)
             raise DecodeRestart(f"decode_iter ran out of memory at {failed} after it had yielded frames: discard them "
                                 f"and iterate decode_iter again, which decodes at {smaller} ({text})", smaller)
         logger.warning("VAE decode ran out of memory at %s; decoding again from the start at %s, the same video (%s)",
                        failed, smaller, text)
-        return self._start(latents, stream)
+        return self._start(job.input, job.stream)

@@ -1,10 +1,10 @@
 """`WanVAEEncoder`: the fast Wan VAE encoder's public API (docs/design.md, "The encoder").
 
-The same math as `reference.encode` (diffusers' `AutoencoderKLWan.encode`), on the decoder's machinery: the op table,
-the causal histories, the prepared weights that follow the VAE (`weights.DecoderWeights` with the encoder's part),
-the memory planner and its out-of-memory retry plans (`planning.memory`). This module validates input, chooses the
-precision and the plan, keeps the ranks of a group in step (`agreement`, as the decoder does) and retries an encode
-that ran out of memory.
+The same math as `reference.encode` (diffusers' `AutoencoderKLWan.encode`), on the machinery it shares with the
+decoder: the op table, the causal histories, the prepared weights that follow the VAE (`weights.PreparedWeights` with
+the encoder's part), the memory planner and its out-of-memory retry plans (`planning.memory`), and the worker core
+(`worker`: device and group, the weights' sync, the ranks' agreement, the attempts and their retries). This module
+validates the video, chooses the precision and the plan, and runs the encoder's passes.
 """
 
 from __future__ import annotations
@@ -13,29 +13,25 @@ import logging
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from . import options as options_mod
 from .backends import select_ops
-from .decoder import _module_device, _resolve_device
 from .definitions.architecture import check_video, encoded_shape
 from .definitions.precision import own_arithmetic
-from .distributed.agreement import DecodeRequest, agree, failure, finish, retry_choice, settle
-from .distributed.bands import FAILED, OK, LocalRows, RankRows, comm_device
+from .distributed.agreement import AttemptFailed
+from .distributed.bands import LocalRows
 from .planning import memory
-from .planning.memory import DecodePlan
+from .planning.memory import Plan
 from .portable import weights as weights_mod
 from .portable.ops import TORCH_OPS, Ops
 from .portable.passes import EncodeRunner
+from .worker import Job, VAEOutOfMemoryError, Worker
 
 logger = logging.getLogger(__name__)
 
-class EncodeOutOfMemoryError(torch.OutOfMemoryError):
-    """An encode ran out of memory at every plan it tried, the smallest included (`plans`: each, in order)."""
 
-    def __init__(self, message: str, plans: tuple[DecodePlan, ...]) -> None:
-        super().__init__(message)
-        self.plans = plans
+class EncodeOutOfMemoryError(VAEOutOfMemoryError):
+    """An encode ran out of memory at every plan it tried, the smallest included (`plans`: each, in order)."""
 
 
 def _vae_dtype(vae_or_state_dict) -> torch.dtype:
@@ -63,7 +59,7 @@ def _encoder_ops(backend, device: torch.device, dtype: torch.dtype) -> Ops:
     return TORCH_OPS
 
 
-class WanVAEEncoder:
+class WanVAEEncoder(Worker):
     """The fast Wan VAE encoder (the Wan2.2 and the Wan2.1 layout).
 
     `WanVAEEncoder(vae_or_state_dict, device=None, pg=None, local=False, **options)` takes diffusers' (or
@@ -86,16 +82,13 @@ class WanVAEEncoder:
     the steady reuse run the same ops on the same inputs (docs/design.md, "The encoder": exact by construction).
     """
 
+    WORK = "encode"
+    OUT_OF_MEMORY = EncodeOutOfMemoryError
+
     def __init__(self, vae_or_state_dict, device=None, pg=None, local: bool = False, **options) -> None:
         opts = self.options = options_mod.check(options, part="encode")
-        self.device = _resolve_device(_module_device(vae_or_state_dict) if device is None else device)
-        if pg is None and not local and dist.is_available() and dist.is_initialized():
-            pg = dist.group.WORLD
-        self.pg = None if local or pg is None or dist.get_world_size(pg) == 1 else pg
-        if self.pg is not None and opts.tiled:
-            raise ValueError("tile_rows / max_memory tile the encode, which runs on one rank: pass local=True (or no "
-                             "process group)")
-        self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
+        self._place(vae_or_state_dict, device, pg, local)
+        self._tiling(opts)  # before any weights are prepared: a group never tiles
         # The VAE itself is held weakly (a diffusers VAE holds its fast encoder: no reference cycle).
         self._source = weakref.ref(vae_or_state_dict) if isinstance(vae_or_state_dict, torch.nn.Module) else \
             vae_or_state_dict
@@ -103,27 +96,12 @@ class WanVAEEncoder:
         self.dtype = self._activation_dtype()
         self.ops = _encoder_ops(opts.backend, self.device, self.dtype)
         part = weights_mod.encoder_part(self.dtype)
-        self._weights = weights_mod.DecoderWeights(vae_or_state_dict, weights_mod.checked(vae_or_state_dict, part),
-                                                   self.device, self.ops.cpu_compute_layout, part)
+        self._weights = weights_mod.PreparedWeights(vae_or_state_dict, weights_mod.checked(vae_or_state_dict, part),
+                                                    self.device, self.ops.cpu_compute_layout, part)
         self.config = self._weights.config
-        self.tile_rows, self.max_memory = opts.tile_rows, None
-        if opts.max_memory is not None:
-            self.max_memory = memory.parse_bytes(opts.max_memory)
         self._planners: dict[tuple[int, int], memory.EncoderPlanner] = {}
-        # a shape -> the plan an out-of-memory retry chose: plans stay below it
-        self._ceilings: dict[tuple, DecodePlan] = {}
-        self.last_plan: DecodePlan | None = None
-        self.last_retries: tuple[DecodePlan, ...] = ()
         # stage ("level0", ..., "head") -> the passes at which the latest encode reused its output (first sample).
         self.last_reuse: dict[str, tuple[int, ...]] = {}
-
-    @property
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self._weights.tensors
-
-    @property
-    def backend(self) -> str:
-        return self.ops.name
 
     def _vae(self):
         """The VAE (or state dict) this encoder was made from; None once that module no longer exists (the encoder
@@ -144,20 +122,24 @@ class WanVAEEncoder:
             return torch.bfloat16
         return torch.float32
 
-    def _sync(self) -> None:
-        """Take any change of the VAE's weights; a VAE cast to another dtype changes the "auto" precision too."""
+    def _take_weights(self) -> bool:
+        """Take any change of the VAE's weights (`sync_weights`); a VAE cast to another dtype changes the "auto"
+        precision too (the op table and the weights are then prepared for the new one)."""
         dtype = self._activation_dtype()
         if dtype != self.dtype and self._vae() is not None:
             table, part = _encoder_ops(self.options.backend, self.device, dtype), weights_mod.encoder_part(dtype)
-            prepared = weights_mod.DecoderWeights(self._vae(), weights_mod.checked(self._vae(), part), self.device,
-                                                  table.cpu_compute_layout, part)
+            prepared = weights_mod.PreparedWeights(self._vae(), weights_mod.checked(self._vae(), part), self.device,
+                                                   table.cpu_compute_layout, part)
             self.ops, self._weights, self.dtype = table, prepared, dtype  # all three, or none if preparing failed
-        else:
-            self._weights.sync()
-        if self._weights.config != self.config or any(p.dtype != self.dtype for p in self._planners.values()):
-            self.config = self._weights.config
-            self._planners.clear()
-            self._ceilings.clear()
+            return True
+        return self._weights.sync()
+
+    def _plans_stale(self) -> bool:
+        return any(p.dtype != self.dtype for p in self._planners.values())
+
+    def _drop_plans(self) -> None:
+        super()._drop_plans()
+        self._planners.clear()
 
     def _planner(self, video_shape) -> memory.EncoderPlanner:
         """The planner for videos of this size (one per remainder of rows and columns past whole latent pixels)."""
@@ -193,7 +175,7 @@ class WanVAEEncoder:
         tail = video[:, :, 1:]
         return tail.shape[2] > 4 and torch.equal(tail, tail[:, :, :1].expand_as(tail))
 
-    def plan(self, video_shape, repeats: bool = False) -> DecodePlan:
+    def plan(self, video_shape, repeats: bool = False) -> Plan:
         """How `encode` encodes a video of `video_shape` now: frames per pass and tile rows (`memory.choose_plan`,
         in latent frames and rows; never above a plan an encode of this shape retried at after running out of
         memory). `repeats`: every frame after the first is the same, and with the steady reuse on, "auto" then
@@ -205,44 +187,26 @@ class WanVAEEncoder:
             fpp = 1
         planned = memory.choose_plan(self._planner(video_shape), latent, fpp, self.tile_rows, False,
                                      self.max_memory, self._ranks, self.ops.row_multiple)
-        ceiling = self._ceilings.get(self._ceiling_key(video_shape))
-        return planned if ceiling is None or planned.size() <= ceiling.size() else ceiling
+        return self._capped(planned, self._ceiling_key(video_shape))
 
-    @property
-    def _ranks(self) -> int:
-        return 1 if self.pg is None else dist.get_world_size(self.pg)
+    def _fingerprint(self):
+        # The ranks must also run the same exchanges: the same activations and reuse (ints: hashed alike by all).
+        return self.config, self.dtype.itemsize, self.options.reuse_steady
 
-    @property
-    def is_root(self) -> bool:
-        """Whether this is rank 0 of the encode group, or a single-rank encoder (every rank returns the moments)."""
-        return self.pg is None or dist.get_rank(self.pg) == 0
+    def _start(self, video) -> tuple[torch.Tensor, Plan]:
+        """Check the input and plan the encode, the ranks of a group agreeing on both: (the video, frames past 1 + 4k
+        dropped; the plan)."""
+        kept = []
 
-    def _start(self, video) -> tuple[torch.Tensor, DecodePlan]:
-        """Check the input and plan the encode: (the video, frames past 1 + 4k dropped; the plan). The ranks of a
-        group first agree on both (`agreement.agree`: an error on one rank, whatever it is, raises on all; they
-        encode at the `memory.smallest` of their plans)."""
-        checked = []
-
-        def checked_plan() -> DecodePlan:
-            self._sync()  # the weights are input too: a VAE changed since the last encode is read again
-            checked.append(self._checked(video))
-            kept = checked[0]
+        def checked() -> tuple[torch.Tensor, Plan]:
+            self.sync_weights()  # the weights are input too: a VAE changed since the last encode is read again
+            kept.append(self._checked(video))
             repeats = self.options.frames_per_pass == memory.AUTO and self.options.reuse_steady and \
-                self._repeats(kept)
-            return self.plan(kept.shape, repeats)
+                self._repeats(kept[0])
+            return kept[0], self.plan(kept[0].shape, repeats)
 
-        def request() -> DecodeRequest:
-            planned = checked_plan().frames_per_pass
-            # The ranks must also run the same exchanges: the same activations and reuse (ints: hashed alike by all).
-            setup = (self.config, self.dtype.itemsize, self.options.reuse_steady)
-            return DecodeRequest.of(checked[0], self.options.frames_per_pass, planned, setup, self._weights.checksum())
-
-        if self.pg is None:
-            plan = checked_plan()
-        else:
-            plan = memory.smallest(DecodePlan(fpp, None) for fpp in agree(self.pg, self._comm_device, request,
-                                                                          work="encode"))
-        return checked[0], plan
+        plan = self._agreed_plan(checked, self.options.frames_per_pass)
+        return kept[0], plan
 
     def _ceiling_key(self, video_shape) -> tuple:
         return (*encoded_shape(self.config, tuple(video_shape))[2:], *tuple(video_shape)[3:])
@@ -258,55 +222,29 @@ class WanVAEEncoder:
         one rank raises on every rank."""
         video, plan = self._start(video)
         latent = encoded_shape(self.config, video.shape)
-        rows = LocalRows(latent[3]) if self.pg is None else RankRows(latent[3], self.pg, self.device,
-                                                                     self.ops.row_multiple)
-        tried: list[DecodePlan] = []
-        while True:  # the attempts, settled by every rank together (as the decoder's: `agreement.settle`)
-            self.last_plan = plan
-            try:
-                out = self._run(video, latent, plan, rows)
-                buffers = rows.share_buffers(out, 3)
-                finish(rows, OK)
-                settle(rows, OK, None, False, work="encode")
-                break
-            except BaseException as exc:  # noqa: BLE001 - the group hears of any failure, an interrupt too
-                error = exc
-            out = buffers = None
-            failed = failure(error, rows, False, "encode")
-            error = None
-            if failed.error is not None:
-                raise failed.error
-            if failed.status == FAILED:
-                raise failed.peer_error
-            plan = self._retry(video, latent, tried, plan, failed.text)
-        self.last_retries = tuple(tried)
+        job = Job(video, latent, f"a video {list(video.shape)}", self._ceiling_key(video.shape),
+                  self._planner(video.shape), False, [])
+        done: list = []  # the moments and their buffers for the ranks' sharing, made inside the attempt
+
+        def attempt(plan: Plan, rows: LocalRows):
+            out = self._run(video, latent, plan, rows)
+            done[:] = [out, rows.share_buffers(out, 3)]
+            return iter(()), 0
+
+        rows = self._rows(latent[3])
+        for _ in self._attempts(job, (plan, rows), attempt, discard=done.clear):
+            pass  # an encode's attempts yield nothing
+        out, buffers = done
         rows.share(out, 3, buffers)
         return out
 
-    def _retry(self, video, latent, tried: list, failed: DecodePlan, text: str) -> DecodePlan:
-        """After an out-of-memory attempt (on any rank): the plan below it (a group takes the smallest of its
-        ranks' proposals: `agreement.retry_choice`), or EncodeOutOfMemoryError when none is left."""
-        tried.append(failed)
-
-        def proposal() -> DecodePlan | None:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return self._planner(video.shape).retry_plan(memory.band_shape(latent, self._ranks, self.ops.row_multiple),
-                                                         failed.frames_per_pass, failed.tile_rows, False,
-                                                         may_tile=self.pg is None)
-
-        smaller = retry_choice(self.pg, self._comm_device, proposal, "encode")
-        if smaller is None:
-            self.last_retries = tuple(tried)
-            raise EncodeOutOfMemoryError(
-                f"the VAE encode of a video {list(video.shape)} ran out of memory at every plan it tried, the "
-                f"smallest included: {'; '.join(map(str, tried))} ({text})", tuple(tried)) from None
+    def _resume(self, job: Job, failed: Plan, smaller: Plan, attempt: AttemptFailed,
+                rows: LocalRows) -> tuple[Plan, LocalRows]:
         logger.warning("VAE encode ran out of memory at %s; encoding again from the start at %s, the same latents "
-                       "(%s)", failed, smaller, text)
-        self._ceilings[self._ceiling_key(video.shape)] = smaller
-        return smaller
+                       "(%s)", failed, smaller, attempt.text)
+        return smaller, rows
 
-    def _run(self, video: torch.Tensor, latent, plan: DecodePlan, rows: LocalRows) -> torch.Tensor:
+    def _run(self, video: torch.Tensor, latent, plan: Plan, rows: LocalRows) -> torch.Tensor:
         """One attempt: every sample in turn, this rank's band of rows (the whole frame alone) into the moments."""
         runner = EncodeRunner(self.ops, self.weights, self.config, self.device, self.dtype, plan.frames_per_pass,
                               self.options.reuse_steady)

@@ -142,6 +142,13 @@ def from_config(config, part: str, prefix: str = "vae_config."):
     return enabled, check(values, lambda name: prefix + config_field(part, name), prefix + switch, enabled, part)
 
 
+def switched_on(config, part: str, prefix: str = "vae_config."):
+    """The options of a Wan VAE config whose fast decoder (encoder: `part`) is on, else None (a ValueError names a bad
+    field as `prefix` + its name)."""
+    enabled, options = from_config(config, part, prefix)
+    return options if enabled else None
+
+
 def as_kwargs(options) -> dict[str, Any]:
     """`options` (DecoderOptions or EncoderOptions) as the keyword arguments of `WanVAEDecoder` (`WanVAEEncoder`)."""
     return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

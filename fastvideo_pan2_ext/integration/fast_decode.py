@@ -40,13 +40,12 @@ CONFIG_FIELDS = decoder_options.config_fields("decode")  # the fields added to F
 
 
 def options(vae_config, prefix: str = "vae_config.") -> decoder_options.DecoderOptions | None:
-    """The options of a Wan VAE config whose fast decoder is on, else None (ValueError naming a bad field, as
-    `prefix` + its field name)."""
-    enabled, opts = decoder_options.from_config(vae_config, "decode", prefix)
-    if enabled and getattr(vae_config, "use_light_vae", False):
+    """`options.switched_on` for the decoder, which refuses a light VAE."""
+    opts = decoder_options.switched_on(vae_config, "decode", prefix)
+    if opts is not None and getattr(vae_config, "use_light_vae", False):
         raise ValueError(f"{prefix}{SWITCH}=True cannot decode a light VAE (vae_config.use_light_vae=True, a pruned "
                          "Wan VAE the fast decoder does not implement); turn one of them off")
-    return opts if enabled else None
+    return opts
 
 
 # --------------------------------------------------------------------------------------------------- layouts
@@ -131,6 +130,16 @@ def config_field(option: str) -> str:
 # --------------------------------------------------------------------------------------------------- decoding
 
 
+def cached_worker(cache: weakref.WeakKeyDictionary, vae, key, make):
+    """The worker (`WanVAEDecoder`, `WanVAEEncoder`) that `cache` (VAE module -> (key, worker)) holds for `vae` under
+    `key`, else `make()`'s, held from then on (the old one and its prepared weights go before the new one is made)."""
+    cached = cache.get(vae)
+    if cached is None or cached[0] != key:
+        cache.pop(vae, None)
+        cached = cache[vae] = (key, make())
+    return cached[1]
+
+
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> (key, WanVAEDecoder)
 
 
@@ -141,15 +150,15 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     (`vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
     group = None if opts.tiled else adapter.decode_group()  # exact tiles are a single-rank decode
-    key = (str(device), opts, id(group))
-    cached = _decoders.get(vae)
-    if cached is None or cached[0] != key:
+
+    def make() -> WanVAEDecoder:
         decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, **decoder_options.as_kwargs(opts))
         logger.info("fast VAE decoder: backend %s, frames_per_pass %s, tile_rows %s, max_memory %s, %s on %s",
                     decoder.backend, opts.frames_per_pass, opts.tile_rows, opts.max_memory,
                     "one rank" if group is None else "rows split over the ranks", device)
-        cached = _decoders[vae] = (key, decoder)
-    return cached[1]
+        return decoder
+
+    return cached_worker(_decoders, vae, (str(device), opts, id(group)), make)
 
 
 def vae_moved(vae) -> None:

@@ -41,10 +41,8 @@ CONFIG_FIELDS = encoder_options.config_fields("encode")  # the fields added to F
 
 
 def options(vae_config, prefix: str = "vae_config.") -> encoder_options.EncoderOptions | None:
-    """The options of a Wan VAE config whose fast encoder is on, else None (ValueError naming a bad field, as
-    `prefix` + its field name)."""
-    enabled, opts = encoder_options.from_config(vae_config, "encode", prefix)
-    return opts if enabled else None
+    """`options.switched_on` for the encoder."""
+    return encoder_options.switched_on(vae_config, "encode", prefix)
 
 
 def config_field(option: str) -> str:
@@ -181,18 +179,16 @@ def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
     weights are prepared from the module's own and follow them (the encoder reads and compares them at every
     encode); they are dropped when the module leaves `device` (`vae_moved`)."""
     opts = options(vae.config) or encoder_options.EncoderOptions()
-    key = (str(device), opts)
-    cached = _encoders.get(vae)
-    if cached is None or cached[0] != key:
-        cached = None
-        _encoders.pop(vae, None)  # the old encoder's prepared weights go before the new ones are made
+
+    def make() -> WanVAEEncoder:
         # local: FastVideo's ranks may hold different videos (its preprocessing: each rank its own clips).
         encoder = WanVAEEncoder(vae, device=device, local=True, **encoder_options.as_kwargs(opts))
         logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
                     "reuse_steady %s, one rank on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
                     opts.tile_rows, opts.max_memory, opts.reuse_steady, device)
-        cached = _encoders[vae] = (key, encoder)
-    return cached[1]
+        return encoder
+
+    return fast_decode.cached_worker(_encoders, vae, (str(device), opts), make)
 
 
 def vae_moved(vae) -> None:

@@ -32,9 +32,9 @@ from ..definitions.architecture import (WAN21_CONFIG, WAN21_ENCODER_CONFIG, WAN2
                                         video_shape)
 from ..distributed.bands import LocalRows
 from ..portable.encoder_network import EncodePass
-from ..portable.network import DecodeState, NetworkPass
+from ..portable.network import CausalState, DecodePass
 from ..portable.ops import RMS_EPS, TORCH_OPS, Ops
-from ..portable.passes import EncodeRunner, PassRunner, collect
+from ..portable.passes import DecodeRunner, EncodeRunner, collect
 from ..definitions.precision import exact_fp32
 from .kernels import BY_DESIGN, CHANNEL_MULTIPLE
 
@@ -148,14 +148,14 @@ def op_signatures(configs=None, encoder_configs=None) -> set[Signature]:
     for config in configs or SUPPORTED_CONFIGS:
         weights = {name: weights_mod.prepare(name, torch.empty(shape, device=meta))
                    for name, shape in expected_shapes(config).items()}
-        state = DecodeState(meta)
+        state = CausalState(meta)
         for first, frames in ((True, 1), (False, 2)):
             z = torch.empty((config.z_dim, frames, 2, 2), device=meta)
-            NetworkPass(recorder, weights, config, LocalRows(2), state, first).run(z)
+            DecodePass(recorder, weights, config, LocalRows(2), state, first).run(z)
     for config in encoder_configs:
         weights = {name: weights_mod.prepare_encoder(name, torch.empty(shape, device=meta), torch.bfloat16)
                    for name, shape in expected_encoder_shapes(config).items()}
-        state = DecodeState(meta)
+        state = CausalState(meta)
         side = 2 * config.spatial_scale
         for first, frames in ((True, 1), (False, 4)):
             step = EncodePass(recorder, weights, config, LocalRows(2), state, first)
@@ -254,7 +254,7 @@ def decode_check(table: Ops, device: torch.device) -> CaseResult:
     state_dict = random_weights(DECODE_CHECK_CONFIG)
     config, prepared = weights_mod.load(state_dict, device, table.cpu_compute_layout)
     z = torch.randn(DECODE_CHECK_LATENTS, generator=torch.Generator().manual_seed(7)).to(device)
-    runner = PassRunner(table, prepared, config, device, frames_per_pass=2)
+    runner = DecodeRunner(table, prepared, config, device, frames_per_pass=2)
     video, fallbacks = _counted(table, lambda: collect(runner.iter_bands(z, LocalRows(z.shape[3])),
                                                        video_shape(config, z.shape), device))
     report = compare_to_reference(f"decode {list(DECODE_CHECK_LATENTS)} at 2 frames per pass", video,
@@ -279,8 +279,8 @@ def encode_check(table: Ops, device: torch.device) -> CaseResult:
     g = torch.Generator().manual_seed(11)
     state_dict = {name: seeded_parameter(name, shape, g) for name, shape in expected_encoder_shapes(config).items()}
     part = weights_mod.encoder_part(torch.bfloat16)
-    prepared = weights_mod.DecoderWeights(state_dict, weights_mod.checked(state_dict, part), device,
-                                          table.cpu_compute_layout, part).tensors
+    prepared = weights_mod.PreparedWeights(state_dict, weights_mod.checked(state_dict, part), device,
+                                           table.cpu_compute_layout, part).tensors
     video = (torch.rand(ENCODE_CHECK_VIDEO, generator=g) * 2 - 1).to(device)
     latent = (1, 2 * config.z_dim, 1 + (video.shape[2] - 1) // 4, video.shape[3] // config.spatial_scale,
               video.shape[4] // config.spatial_scale)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import first_line
-from ..planning.memory import DecodePlan, smallest
+from ..planning.memory import Plan, smallest
 from ..portable.ops import is_out_of_memory
 from .bands import FAILED, OK, OUT_OF_MEMORY, LocalRows, PeerFailed, RankRows
 
@@ -83,7 +83,7 @@ def joined(pg, comm_device: torch.device, step: Callable[[], Sequence[float]], w
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeRequest:
+class Request:
     """One rank's view of a decode (or an encode): what it asks for."""
 
     shape: tuple[int, ...]
@@ -91,14 +91,14 @@ class DecodeRequest:
     frames_per_pass: int  # the option: an int, or 0 for "auto"
     architecture: int  # a fingerprint of the decoder's (encoder's) config
     checksum: float  # sum |input|: the same latents (video) on every rank
-    weights: float  # the prepared weights' checksum (`weights.DecoderWeights.checksum`): the same VAE on every rank
+    weights: float  # the prepared weights' checksum (`weights.PreparedWeights.checksum`): the same VAE on every rank
     planned_frames_per_pass: int  # what this rank's plan chose (the group runs `memory.smallest`)
 
     WIDTH = 11  # numbers in a request
 
     @classmethod
     def of(cls, latents: torch.Tensor, frames_per_pass: int | str, planned: int, config,
-           weights: float) -> "DecodeRequest":
+           weights: float) -> "Request":
         # Summed frame by frame: a video's float64 copy would be 2x its size.
         checksum = sum(float(frame.detach().double().abs().sum()) for frame in latents.unbind(2))
         return cls(tuple(latents.shape), _DTYPES.index(latents.dtype),
@@ -110,15 +110,15 @@ class DecodeRequest:
                 self.planned_frames_per_pass]
 
     @classmethod
-    def from_values(cls, v: Sequence[float]) -> "DecodeRequest":
+    def from_values(cls, v: Sequence[float]) -> "Request":
         return cls(tuple(int(x) for x in v[:5]), int(v[5]), int(v[6]), int(v[7]), v[8], v[9], int(v[10]))
 
-    def same_decode(self, other: "DecodeRequest") -> bool:
+    def same_work(self, other: "Request") -> bool:
         """The same input and plan options (the weights aside: `same_weights`)."""
         return (dataclasses.astuple(self)[:-3] == dataclasses.astuple(other)[:-3]
                 and math.isclose(self.checksum, other.checksum, rel_tol=1e-9, abs_tol=1e-9))
 
-    def same_weights(self, other: "DecodeRequest") -> bool:
+    def same_weights(self, other: "Request") -> bool:
         # A checksum's float64 sums may round differently on different devices; a weight changed changes it far more.
         return math.isclose(self.weights, other.weights, rel_tol=1e-9, abs_tol=1e-9)
 
@@ -128,22 +128,25 @@ class DecodeRequest:
                 f"(checksum {self.checksum:.6g})")
 
 
+DecodeRequest = Request  # its name from before the encoder shared it
+
+
 def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-def agree(pg, comm_device: torch.device, propose: Callable[[], DecodeRequest], work: str = "decode") -> list[int]:
+def agree(pg, comm_device: torch.device, propose: Callable[[], Request], work: str = "decode") -> list[int]:
     """The agreement before a decode (an encode): every rank's request (`propose()`: this rank's; it checks the input
     and raises ValueError when it is bad). A rank whose `propose` raised anything raises it, and every other rank a
     ValueError (bad input) or RuntimeError naming that rank and the error's first line; ranks that disagree (about
     the input, or hold different weights) raise ValueError on every rank. Returns every rank's planned frames per
     pass, in group rank order (the group runs the smallest plan: `planning.memory.smallest`). Every rank decides from
     the same gathered requests, so all decide alike."""
-    values = joined(pg, comm_device, lambda: propose().values(), DecodeRequest.WIDTH, f"before {work[:-1]}ing",
+    values = joined(pg, comm_device, lambda: propose().values(), Request.WIDTH, f"before {work[:-1]}ing",
                     rejects=(ValueError,), work=work)
-    requests = [DecodeRequest.from_values(v) for v in values]
+    requests = [Request.from_values(v) for v in values]
     for rank, theirs in enumerate(requests[1:], start=1):
-        if not theirs.same_decode(requests[0]):
+        if not theirs.same_work(requests[0]):
             raise ValueError(f"ranks disagree about the {work}: rank {rank} has {theirs}; rank 0 has {requests[0]}; "
                              f"every rank must pass the same {_INPUT[work]}")
         if not theirs.same_weights(requests[0]):
@@ -213,7 +216,7 @@ def failure(error: BaseException, rows: LocalRows, yielded: bool, work: str = "d
     raise AssertionError("a failed attempt settled as a success")  # unreachable: a rank reported its failure
 
 
-def retry_choice(pg, comm_device, propose: Callable[[], DecodePlan | None], work: str = "decode") -> DecodePlan | None:
+def retry_choice(pg, comm_device, propose: Callable[[], Plan | None], work: str = "decode") -> Plan | None:
     """The plan a group retries at after running out of memory: the `smallest` of every rank's `propose()` (its
     plan below the failed one; None when none is smaller), in a round that a rank whose choice fails joins too;
     None when any rank has none. Alone (pg None): `propose()`."""
@@ -226,4 +229,4 @@ def retry_choice(pg, comm_device, propose: Callable[[], DecodePlan | None], work
 
     proposals = [int(p) for p, in joined(pg, comm_device, proposed, 1,
                                          "choosing the plan to retry at after running out of memory", work=work)]
-    return None if 0 in proposals else smallest(DecodePlan(p, None) for p in proposals)
+    return None if 0 in proposals else smallest(Plan(p, None) for p in proposals)

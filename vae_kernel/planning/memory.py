@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..definitions.architecture import video_shape
 from ..distributed.bands import LocalRows, split_rows
 from ..portable import ops
-from ..portable.network import DecodeState, NetworkPass, Tile
+from ..portable.network import CausalState, DecodePass, Tile
 from ..portable.ops import Ops
 from ..portable.passes import EncodeRunner, latent_passes, pass_video_frames, row_tiles
 
@@ -50,8 +50,8 @@ RETRY_PEAK_FRACTION = 0.75
 _STREAM_RETRY_TILES = (2, 3, 4, 6, 8)  # tile counts a streamed decode's retry tries
 
 
-class DecodePlan(NamedTuple):
-    """How one decode runs: latent frames per pass, and latent rows per tile (None: untiled)."""
+class Plan(NamedTuple):
+    """How one decode (encode) runs: latent frames per pass, and latent rows per tile (None: untiled)."""
 
     frames_per_pass: int
     tile_rows: int | None
@@ -67,8 +67,11 @@ class DecodePlan(NamedTuple):
         return self.frames_per_pass, math.inf if self.tile_rows is None else self.tile_rows
 
 
+DecodePlan = Plan  # its name from before the encoder shared it
+
+
 def choose_plan(planner: MemoryPlanner, latents_shape, frames_per_pass: int | str, tile_rows: int | None,
-                stream: bool, budget: int | None, ranks: int = 1, row_multiple: int = 1) -> DecodePlan:
+                stream: bool, budget: int | None, ranks: int = 1, row_multiple: int = 1) -> Plan:
     """The plan of one rank's decode (`decode`, or stream=True `decode_iter`) of latents of `latents_shape`, given
     the decoder's options (`frames_per_pass`, `tile_rows`, `budget` = max_memory in bytes) and its group of `ranks`
     (whose bands start on multiples of `row_multiple` rows). The rule, in order:
@@ -90,10 +93,10 @@ def choose_plan(planner: MemoryPlanner, latents_shape, frames_per_pass: int | st
     `MemoryPlanner.retry_plan`, and `WanVAEDecoder.plan` never exceeds a plan retried at before."""
     shape = tuple(latents_shape)
     if frames_per_pass != AUTO:
-        return DecodePlan(frames_per_pass, _tiles(planner, shape, frames_per_pass, tile_rows, stream, budget))
+        return Plan(frames_per_pass, _tiles(planner, shape, frames_per_pass, tile_rows, stream, budget))
     if budget is not None:
         fpp = planner.most_frames_per_pass(shape, None, stream, budget) or 1
-        return DecodePlan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, budget))
+        return Plan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, budget))
     band = band_shape(shape, ranks, row_multiple)
     video = 0 if stream else planner.output_bytes(shape)  # decode (encode) returns it
     free = free_device_bytes(planner.device)
@@ -101,19 +104,19 @@ def choose_plan(planner: MemoryPlanner, latents_shape, frames_per_pass: int | st
     goal = DEFAULT_MEMORY_GOAL - planner.weight_bytes - video
     fpp = planner.most_frames_per_pass(band, tile_rows, stream, goal if room is None else min(goal, room))
     if fpp is not None:
-        return DecodePlan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, None))
+        return Plan(fpp, _tiles(planner, shape, fpp, tile_rows, stream, None))
     if room is None or ranks > 1 or tile_rows is not None or planner.fits(band, 1, None, stream, room):
-        return DecodePlan(1, _tiles(planner, shape, 1, tile_rows, stream, None))
+        return Plan(1, _tiles(planner, shape, 1, tile_rows, stream, None))
     try:  # even one frame per pass overflows the free memory: exact tiles that fit it
-        return DecodePlan(1, planner.largest_tile(shape, 1, stream, room))
+        return Plan(1, planner.largest_tile(shape, 1, stream, room))
     except ValueError:
-        return DecodePlan(1, None)  # nothing fits by the plan: leave it to the allocator
+        return Plan(1, None)  # nothing fits by the plan: leave it to the allocator
 
 
-def smallest(plans: Iterable[DecodePlan]) -> DecodePlan:
+def smallest(plans: Iterable[Plan]) -> Plan:
     """The plan a decode group runs: the smallest of its ranks' plans (every rank must run the same passes, since
     the halo exchanges happen per pass, and the smallest is one every rank can afford)."""
-    return min(plans, key=DecodePlan.size)
+    return min(plans, key=Plan.size)
 
 
 def band_shape(latents_shape, ranks: int, row_multiple: int = 1) -> tuple[int, ...]:
@@ -309,7 +312,7 @@ class MemoryPlanner:
     def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device) -> None:
         self.config, self.device = config, device
         # Read once from the weights as prepared: a decode holds these bytes whether or not the weights are on the
-        # device between decodes (they are prepared again, the same shapes, before one: `weights.DecoderWeights`).
+        # device between decodes (they are prepared again, the same shapes, before one: `weights.PreparedWeights`).
         self._meta_weights = {k: v.to("meta") for k, v in weights.items()}
         # The weights' bytes; a conv weight the convs also hold in oneDNN's blocking is held twice (`ops.held_twice`).
         self.weight_bytes = sum(w.numel() * w.element_size() * (2 if ops.held_twice(w) else 1)
@@ -355,7 +358,7 @@ class MemoryPlanner:
         most = max(len(pass_video_frames(t0, t1)) for t0, t1 in passes)
         video = torch.empty((1, 3, most, s * height, s * width), dtype=torch.bfloat16, device=meta)
         with LiveBytes() as tracker:
-            states = [DecodeState(meta) for _ in tiles]
+            states = [CausalState(meta) for _ in tiles]
             for t0, t1 in passes:
                 frames = len(pass_video_frames(t0, t1))
                 # The pass's chunk of video: streamed tiles decode into it (`iter_tiles`), an untiled pass fills it
@@ -364,7 +367,7 @@ class MemoryPlanner:
                     if stream and not untiled else None
                 for tile, state in zip(tiles, states):
                     spec = None if untiled else Tile(*tile, height, self.config)
-                    out = NetworkPass(dry, self._meta_weights, self.config, LocalRows(height), state, t0 == 0,
+                    out = DecodePass(dry, self._meta_weights, self.config, LocalRows(height), state, t0 == 0,
                                       spec).run(z[:, t0:t1])
                     if untiled:
                         chunk = dest = torch.empty((1, 3, frames, s * height, s * width), dtype=torch.bfloat16,
@@ -399,7 +402,7 @@ class MemoryPlanner:
         return self.peak_bytes(latents_shape, frames_per_pass, tile_rows, stream) * PEAK_HEADROOM <= budget
 
     def retry_plan(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool,
-                   may_tile: bool) -> DecodePlan | None:
+                   may_tile: bool) -> Plan | None:
         """The plan a decode that ran out of memory at (`frames_per_pass`, `tile_rows`) retries at: among the smaller
         plans (fewer frames per pass at the same tiles; then, at 1 frame per pass and where `may_tile`, smaller
         exact tiles, largest first), the first whose peak is at most RETRY_PEAK_FRACTION of the failed plan's; else
@@ -409,13 +412,13 @@ class MemoryPlanner:
         failed = self.peak_bytes(shape, frames_per_pass, tile_rows, stream)
         budget = failed * RETRY_PEAK_FRACTION
         most = min(frames_per_pass, max(shape[2] - 1, 1))  # more than T - 1 per pass runs as T - 1
-        fewer = [DecodePlan(fpp, tile_rows) for fpp in FRAMES_PER_PASS_CHOICES if fpp < most]
+        fewer = [Plan(fpp, tile_rows) for fpp in FRAMES_PER_PASS_CHOICES if fpp < most]
         for plan in fewer:
             if self.peak_bytes(shape, *plan, stream) <= budget:
                 return plan
         height = shape[3] if tile_rows is None else tile_rows
         tiles = [] if not may_tile or height < 2 else self._smaller_tiles(shape, height, stream, budget)
-        candidates = fewer + [DecodePlan(1, rows) for rows in tiles]
+        candidates = fewer + [Plan(1, rows) for rows in tiles]
         for plan in candidates[len(fewer):]:
             if self.peak_bytes(shape, *plan, stream) <= budget:
                 return plan

@@ -1,8 +1,9 @@
 """One pass of the Wan VAE encoder network over a few video frames of one sample's rows (or of one tile of them).
 
-The encoder is the decoder's mirror and runs on the decoder's machinery (`network.NetworkPass`: causal convs with
-their histories in a `DecodeState`, residual blocks, the mid block's attention, the op table), in the activations'
-dtype: fp32 for the encoder's fp32 precision, bf16 for its bf16 one. What only the encoder has: patchify (Wan2.2),
+The encoder is the decoder's mirror and its pass is the decoder's pass's sibling over the blocks they share
+(`network.Blocks`: causal convs with their histories in a `CausalState`, residual blocks, the mid block's attention,
+the op table), in the activations' dtype: fp32 for the encoder's fp32 precision, bf16 for its bf16 one. What only
+the encoder has: its first frame's causal convs by their last tap (`EncodePass.causal_conv_call`), patchify (Wan2.2),
 the downsamples (a zero row and column below and right of the frame, then a 3x3 stride-2 conv; at the temporal
 levels a (3, 1, 1) stride-2 time conv after it, skipped on the first frame), Wan2.2's AvgDown3D shortcut, and
 quant_conv at the end.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.bands import LocalRows
-from .network import NetworkPass, Tile
+from .network import Blocks, TileRows
 
 
 def encoder_margins(config) -> list[tuple[int, int]]:
@@ -45,17 +46,17 @@ def encoder_margins(config) -> list[tuple[int, int]]:
     return margins
 
 
-class EncodeTile(Tile):
+class EncodeTile(TileRows):
     """The latent rows [start, stop) a tile of phase 1 keeps, of a frame `height` latent rows high (`rows` patchified
     pixel rows: Wan2.1's last latent row may read a few more), and the rows it holds now. Its input starts on a
     latent-row boundary (each downsample pairs rows counted from the frame's top), with whole latent rows of margin
     (4 above and 5 below: `input_rows`)."""
 
     def __init__(self, start: int, stop: int, height: int, rows: int, config, margins=None) -> None:
-        self.start, self.stop, self.height, self.pixel_rows = start, stop, height, rows
+        super().__init__(start, stop, height)
+        self.pixel_rows = rows
         self.margins = encoder_margins(config) if margins is None else margins
         self.scale = 2 ** (config.levels - 1)
-        self.held_start = 0
 
     def input_rows(self) -> tuple[int, int]:
         """The patchified pixel rows [a, b) phase 1 reads: the margins at conv_in's input, in whole latent rows."""
@@ -99,13 +100,22 @@ class StageMemo:
         self.reused: list[int] = []
 
 
-class EncodePass(NetworkPass):
+class EncodePass(Blocks):
     """One pass of the encoder over `frames` video frames of one sample's rows, or one tile's (see the module)."""
 
     def __init__(self, ops, p, config, rows: LocalRows, state, first: bool, tile: EncodeTile | None = None,
                  memos: dict[str, StageMemo] | None = None, index: int = 0) -> None:
         super().__init__(ops, p, config, rows, state, first, tile)
         self.memos, self.index = memos, index
+
+    def causal_conv_call(self, window, keep, w, b, out, residual) -> None:
+        if self.first and window.shape[1] == keep + 1 and window.dtype == torch.float32:
+            # An fp32 encode's first pass (the portable table's: the compiled ones take whole kernels): its one frame
+            # meets the causal zeros through every tap but the last, so that tap alone gives the same sums up to
+            # their order, in 1/kt of the work (a third of a 9-frame encode's first-frame convs; an image's encode).
+            self.ops.conv3d(window[:, keep:], w[:, keep:], b, out, residual)
+        else:
+            super().causal_conv_call(window, keep, w, b, out, residual)
 
     def stage(self, key: str, x: torch.Tensor, run) -> torch.Tensor:
         """run(x), or its last output where steady reuse applies (see the module)."""

@@ -1,8 +1,9 @@
-"""One pass of the Wan VAE decoder network over a few latent frames of one band (or tile) of rows.
+"""One pass of the Wan VAE decoder network over a few latent frames of one band (or tile) of rows, and the blocks it
+shares with the encoder's pass (`Blocks`; `encoder_network.EncodePass` is `DecodePass`'s sibling).
 
 Activations are channels-last bf16 and every hot step is one call into an op table (`ops.py`), so compiled kernels
 replace ops without touching this file. Each causal conv owns its history (the last kt - 1 frames of its input, halo
-rows included) in a `DecodeState`; a pass copies that history in front of its new frames inside a reusable window, so
+rows included) in a `CausalState`; a pass copies that history in front of its new frames inside a reusable window, so
 causal padding costs two frame copies per conv per pass, not a `torch.cat` of every frame. Rows come in bands
 (`bands.py`): the ops never know whether their rows are the whole frame.
 
@@ -21,7 +22,7 @@ from ..distributed.bands import LocalRows
 from .ops import Ops, frame_shape
 
 
-class DecodeState:
+class CausalState:
     """Everything one sample's pass through the network (the decoder's or the encoder's) carries from pass to pass:
     each causal conv's history, and reusable windows, in the activations' dtype (bf16; the encoder's fp32 precision:
     fp32). `histories_changed` says whether a pass changed any history since it was last reset (the encoder's steady
@@ -55,6 +56,9 @@ class DecodeState:
         return buffer[:, :frames]
 
 
+DecodeState = CausalState  # its name from before the encoder shared it
+
+
 def tile_margins(config) -> tuple[int, list[int]]:
     """Extra rows a tile carries past its own rows on each cut side: (at the mid block's second resnet, in latent
     rows; at the start of each up block, in that level's rows). A cut edge's zero halo spoils one more row per 3x3
@@ -70,13 +74,21 @@ def tile_margins(config) -> tuple[int, list[int]]:
     return margins[0] + 2, margins  # + the mid block's second resnet
 
 
-class Tile:
-    """The latent rows [start, stop) a tile keeps, of a frame `height` latent rows high, and the rows it holds now."""
+class TileRows:
+    """The latent rows [start, stop) a tile keeps, of a frame `height` latent rows high, and the first row it holds
+    now (`held_start`, at the current level's scale): what the decoder's and the encoder's tiles share."""
+
+    def __init__(self, start: int, stop: int, height: int) -> None:
+        self.start, self.stop, self.height = start, stop, height
+        self.held_start = 0
+
+
+class Tile(TileRows):
+    """A tile of the decoder: its rows, and the margins it carries past them (`tile_margins`)."""
 
     def __init__(self, start: int, stop: int, height: int, config) -> None:
-        self.start, self.stop, self.height = start, stop, height
+        super().__init__(start, stop, height)  # the mid block starts on the whole frame: held from row 0
         self.mid_margin, self.margins = tile_margins(config)
-        self.held_start = 0  # first row held, at the current level's scale (the mid block starts on the whole frame)
 
     def crop(self, x: torch.Tensor, scale: int, margin: int, multiple: int = 1) -> torch.Tensor:
         """x [1, F, rows held, W, C] at `scale` x latent rows -> the rows within `margin` of this tile's own, starting
@@ -88,11 +100,13 @@ class Tile:
         return x[:, :, offset:offset + b - a].contiguous()
 
 
-class NetworkPass:
-    """One pass of the decoder over `frames` latent frames of one sample's band of rows (or one tile)."""
+class Blocks:
+    """The blocks of one pass that the decoder's (`DecodePass`) and the encoder's (`encoder_network.EncodePass`)
+    share: causal convs with their histories, residual blocks, the mid block's attention, over one sample's band of
+    rows (or one tile) in the activations' dtype (`state.dtype`)."""
 
-    def __init__(self, ops: Ops, p: dict[str, torch.Tensor], config, rows: LocalRows, state: DecodeState,
-                 first: bool, tile: Tile | None = None) -> None:
+    def __init__(self, ops: Ops, p: dict[str, torch.Tensor], config, rows: LocalRows, state: CausalState,
+                 first: bool, tile: TileRows | None = None) -> None:
         self.ops, self.p, self.config, self.rows, self.state, self.first = ops, p, config, rows, state, first
         self.tile = tile
 
@@ -111,15 +125,14 @@ class NetworkPass:
         fill(window[:, keep:])
         self.rows.exchange_halos(window[0, keep:])
         out = self._empty(1, frames, rows, width, w.shape[0])
-        if self.first and frames == 1 and window.dtype == torch.float32:
-            # An fp32 encode's first pass (the portable table's: the compiled ones take whole kernels): its one frame
-            # meets the causal zeros through every tap but the last, so that tap alone gives the same sums up to
-            # their order, in 1/kt of the work (a third of a 9-frame encode's first-frame convs; an image's encode).
-            self.ops.conv3d(window[:, keep:], w[:, keep:], b, out, residual)
-        else:
-            self.ops.conv3d(window, w, b, out, residual)
+        self.causal_conv_call(window, keep, w, b, out, residual)
         self.state.replace_history(history, window[:, frames:])
         return out
+
+    def causal_conv_call(self, window: torch.Tensor, keep: int, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                         residual: torch.Tensor | None) -> None:
+        """The op a causal conv runs: its whole kernel over the history (`keep` frames) and the new frames."""
+        self.ops.conv3d(window, w, b, out, residual)
 
     def norm_conv(self, norm: str, conv: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """conv(silu(rms_norm(x))): the norm writes straight into the conv's window, inside the halo rows."""
@@ -153,6 +166,10 @@ class NetworkPass:
         self.ops.conv3d(attended.view(x.shape), self.p[f"{name}.proj.weight"], self.p[f"{name}.proj.bias"], out,
                         residual=x)
         return out
+
+
+class DecodePass(Blocks):
+    """One pass of the decoder over `frames` latent frames of one sample's band of rows (or one `Tile`)."""
 
     def upsample(self, name: str, x: torch.Tensor, temporal: bool) -> torch.Tensor:
         """x2 in space (sub-pixel conv); x2 in time through the causal (3, 1, 1) time conv, except for the first
@@ -235,3 +252,6 @@ class NetworkPass:
         if self.tile is not None:
             x = self.tile.crop(x, 2 ** (len(self.config.dim_mult) - 1), 0)
         return x
+
+
+NetworkPass = DecodePass  # its name from before the encoder's pass stood beside it

@@ -103,7 +103,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 def _is_channels_first(w: torch.Tensor) -> bool:
     """w [Co, Ci, k...] laid out channels first: its input channels outside its kernel's columns (a 1x1 kernel's
     weight is both layouts at once: channels last). Told by strides, not density, so that a view of one tap of a
-    prepared weight (`NetworkPass.causal_conv`) keeps its weight's layout."""
+    prepared weight (`encoder_network.EncodePass.causal_conv_call`) keeps its weight's layout."""
     return w.stride(1) > w.stride(-1)
 
 
@@ -183,7 +183,7 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
 # A prepared CPU conv weight -> (its version, oneDNN's blocked copy of it: `prepack`), so that its conv does not reorder
 # the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does. What keeps it
 # sound is that a prepared weight is never written after it is made (a changed VAE weight is prepared into a new
-# tensor: `weights.DecoderWeights`); the version only catches an in-place op on the weight itself, not a write through
+# tensor: `weights.PreparedWeights`); the version only catches an in-place op on the weight itself, not a write through
 # `.data` (which bypasses the counter), nor anything on an inference tensor (which has none).
 _PACKED = WeakTensorKeyDictionary()
 # torch's private oneDNN ops behind the prepacked convs carry no API promise: the first of them missing or refusing its

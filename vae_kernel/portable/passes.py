@@ -21,7 +21,7 @@ import torch
 from ..definitions.architecture import WanVAEConfig, video_frames
 from ..distributed.bands import LocalRows
 from .encoder_network import EncodePass, EncodeTile
-from .network import DecodeState, NetworkPass, Tile
+from .network import CausalState, DecodePass, Tile
 from .ops import FP32_CPU_ENCODE_CALL_PIXELS, Ops, frame_shape
 from ..definitions.precision import own_arithmetic
 
@@ -48,8 +48,8 @@ def row_tiles(height: int, tile_rows: int) -> list[tuple[int, int]]:
     return [(s, min(s + tile_rows, height)) for s in range(0, height, tile_rows)]
 
 
-class PassRunner:
-    """Runs the network (`network.NetworkPass`) over whole clips with one op table and one set of prepared weights."""
+class DecodeRunner:
+    """Runs the network (`network.DecodePass`) over whole clips with one op table and one set of prepared weights."""
 
     def __init__(self, ops: Ops, weights: dict[str, torch.Tensor], config: WanVAEConfig, device: torch.device,
                  frames_per_pass: int) -> None:
@@ -69,10 +69,10 @@ class PassRunner:
         progress = _progress(batch * len(passes), rows.is_root)
         p = self.config.patch_size
         for b in range(batch):
-            state = DecodeState(self.device)
+            state = CausalState(self.device)
             for t0, t1 in passes:
                 with own_arithmetic(self.device):
-                    out = NetworkPass(self.ops, self.weights, self.config, rows, state, t0 == 0).run(
+                    out = DecodePass(self.ops, self.weights, self.config, rows, state, t0 == 0).run(
                         latents[b, :, t0:t1, lo:hi])
                     chunk = torch.empty((1, 3, out.shape[1], p * out.shape[2], p * out.shape[3]),
                                         dtype=torch.bfloat16, device=self.device)
@@ -87,13 +87,13 @@ class PassRunner:
                 del parts
         progress.close()
 
-    def tile_pass(self, z: torch.Tensor, t0: int, t1: int, rows: tuple[int, int], state: DecodeState,
+    def tile_pass(self, z: torch.Tensor, t0: int, t1: int, rows: tuple[int, int], state: CausalState,
                   dest: torch.Tensor) -> None:
         """Decode latent frames [t0, t1) of one sample's z [C, T, h, w], keeping latent rows `rows`, into `dest`
         (those rows of the pass's video frames); `state` is that tile's causal history."""
         height = z.shape[2]
         tile = Tile(*rows, height, self.config)
-        out = NetworkPass(self.ops, self.weights, self.config, LocalRows(height), state, t0 == 0, tile).run(
+        out = DecodePass(self.ops, self.weights, self.config, LocalRows(height), state, t0 == 0, tile).run(
             z[:, t0:t1])
         self.ops.unpatchify_clamp(out, dest, self.config.patch_size)
 
@@ -105,7 +105,7 @@ class PassRunner:
         s = self.config.spatial_scale
         progress = _progress(batch * len(passes), True)
         for b in range(batch):
-            states = [DecodeState(self.device) for _ in tiles]
+            states = [CausalState(self.device) for _ in tiles]
             for t0, t1 in passes:
                 frames = pass_video_frames(t0, t1)
                 chunk = self._chunk(len(frames), height, width)
@@ -128,7 +128,7 @@ class PassRunner:
         with own_arithmetic(self.device):
             for b in range(batch):
                 for start, stop in tiles:
-                    state = DecodeState(self.device)
+                    state = CausalState(self.device)
                     for t0, t1 in passes:
                         frames = pass_video_frames(t0, t1)
                         self.tile_pass(latents[b], t0, t1, (start, stop), state,
@@ -137,6 +137,9 @@ class PassRunner:
                     del state
         progress.close()
         return video
+
+
+PassRunner = DecodeRunner  # its name from before the encoder's runner stood beside it
 
 
 def collect(chunks: Iterator[Chunk], video_shape, device: torch.device) -> torch.Tensor | None:
@@ -178,7 +181,7 @@ class EncodeRunner:
         self.ops, self.weights, self.config, self.device, self.dtype = ops, weights, config, device, dtype
         self.frames_per_pass, self.reuse_steady, self.progress = frames_per_pass, reuse_steady, progress
 
-    def _pass(self, state: DecodeState, first: bool, tile, memos, index: int, rows: LocalRows) -> EncodePass:
+    def _pass(self, state: CausalState, first: bool, tile, memos, index: int, rows: LocalRows) -> EncodePass:
         return EncodePass(self.ops, self.weights, self.config, rows, state, first, tile, memos, index)
 
     def encode(self, video: torch.Tensor, latent_shape, tile_rows: int | None,
@@ -204,7 +207,7 @@ class EncodeRunner:
             band = video[:, :, :, s * start:s * stop if stop < height else video.shape[3]]
             moments = torch.empty((1, t, stop - start, width, 2 * self.config.z_dim), dtype=self.dtype,
                                   device=self.device)
-            state = DecodeState(self.device, self.dtype)
+            state = CausalState(self.device, self.dtype)
             for index, (t0, t1) in enumerate(passes):
                 frames = pass_video_frames(t0, t1)
                 step = self._pass(state, t0 == 0, None, memos, index, rows)
@@ -217,7 +220,7 @@ class EncodeRunner:
         bottom = torch.empty((1, t, height, width, bottom_width), dtype=self.dtype, device=self.device)
         tile_memos = []
         for start, stop in tiles:  # phase 1, tile by tile over the whole clip
-            state = DecodeState(self.device, self.dtype)
+            state = CausalState(self.device, self.dtype)
             tile_memos.append({} if self.reuse_steady else None)
             for index, (t0, t1) in enumerate(passes):
                 frames = pass_video_frames(t0, t1)
@@ -230,7 +233,7 @@ class EncodeRunner:
             for memo in (tile_memos[-1] or {}).values():  # a finished tile's stages are never run again
                 memo.input = memo.output = None
             del state
-        state = DecodeState(self.device, self.dtype)  # phase 2 on whole frames
+        state = CausalState(self.device, self.dtype)  # phase 2 on whole frames
         for index, (t0, t1) in enumerate(passes):
             moments[:, t0:t1] = self._pass(state, t0 == 0, None, memos, index, rows).phase2(bottom[:, t0:t1])
             progress.update(1)

@@ -75,7 +75,7 @@ def decoder_conv_dtype(name: str) -> torch.dtype | None:
 
 def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """One state-dict tensor in the layout the ops take (see the module table): always a new tensor, never `tensor`
-    or a view of it (a weight the VAE's owner edits later must not change under the decoder: `DecoderWeights`)."""
+    or a view of it (a weight the VAE's owner edits later must not change under the decoder: `PreparedWeights`)."""
     if name.endswith(".gamma"):
         return (tensor.float().flatten() * tensor.shape[0] ** 0.5).contiguous()
     if name.endswith(".bias"):
@@ -273,9 +273,9 @@ def _prepares_to(part: WeightPart, name: str, source: torch.Tensor, held: torch.
     return torch.equal(conv_weight_5d(source), held.permute(0, 4, 1, 2, 3))
 
 
-class DecoderWeights:
-    """The decoder's prepared weights (`tensors`: name -> prepared tensor, in execution order) and where they come
-    from (docs/design.md, "What a weight change costs").
+class PreparedWeights:
+    """The decoder's (or the encoder's: `part`) prepared weights (`tensors`: name -> prepared tensor, in execution
+    order) and where they come from (docs/design.md, "What a weight change costs").
 
     Made from a module (diffusers' or FastVideo's `AutoencoderKLWan`, held by a weak reference), they follow it:
     `sync` prepares each of the module's current weights again (or, where that is a re-layout, reads it in place:
@@ -357,6 +357,9 @@ class DecoderWeights:
         if changed:
             self._checksum = None
         return changed
+
+
+DecoderWeights = PreparedWeights  # its name from before the encoder shared it
 
 
 def decoder_weights(state_dict) -> list[torch.Tensor]:
