@@ -1,11 +1,12 @@
 """PAN2 image-to-video for FastVideo, with a fast Wan VAE decoder and encoder.
 
-Rooms (docs/design.md, "Rooms"): `plugin_loader` (FastVideo plugins, generic), `integration` (PAN2 in FastVideo: the
-one seam to FastVideo's internals, registration, CLI, pipeline and stages), `demo` (demos and the tiny checkpoint
-maker), `configs`, `attention`, `vae_kernel` (the decoder and encoder library, usable without FastVideo), `reference` (the
-definition of results), `image` and `video_io`, and `diffusers_decode` / `diffusers_encode` (the fast decoder and
-encoder for diffusers' Wan VAE: `enable_fast_decode` / `enable_fast_encode` and their `disable_`s, on the routing
-they share, `diffusers_route`).
+Rooms (docs/design.md, "Rooms"), each a folder: `fastvideo_integration` (PAN2 and the fast VAE in FastVideo: the one
+seam to FastVideo's internals, registration, CLI, server, pipeline and stages), `diffusers_integration` (the fast
+decoder and encoder for diffusers' Wan VAE: `enable_fast_decode` / `enable_fast_encode` and their `disable_`s),
+`model` (PAN2's transformer and text encoder), `vae_kernel` (the decoder and encoder library, usable without FastVideo
+or diffusers), `media` (images, videos, kept latents), `commands` (the decode command), `demo` (demos and the tiny
+checkpoint maker), `configs`, `attention` (the FA4 policy), `plugin_loader` (FastVideo plugins, generic), and
+`reference` (the definition of results).
 
 Importing this package is cheap: FastVideo, torch and the config classes are imported only when one of the names
 below is first used.
@@ -19,8 +20,8 @@ __all__ = ["PAN2PipelineConfig", "PAN2Pipeline", "DecodeFailed", "register", "en
 
 
 def register() -> None:
-    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; `integration.registration`)."""
-    from fastvideo_pan2_ext.integration.registration import register as _register
+    """The ``fastvideo.plugins`` entry point: teach FastVideo about PAN2 (idempotent; `fastvideo_integration.registration`)."""
+    from fastvideo_pan2_ext.fastvideo_integration.registration import register as _register
 
     _register()
 
@@ -31,19 +32,19 @@ def __getattr__(name: str):
 
         return PAN2PipelineConfig
     if name == "PAN2Pipeline":
-        from fastvideo_pan2_ext.integration.pipeline import PAN2Pipeline
+        from fastvideo_pan2_ext.fastvideo_integration.pipeline import PAN2Pipeline
 
         return PAN2Pipeline
     if name == "DecodeFailed":  # what VideoGenerator raises when a PAN2 decode fails (its latents kept)
-        from fastvideo_pan2_ext.integration.decode_failure import DecodeFailed
+        from fastvideo_pan2_ext.fastvideo_integration.decode_failure import DecodeFailed
 
         return DecodeFailed
     if name in ("enable_fast_decode", "disable_fast_decode", "is_fast_decode_enabled"):  # diffusers' Wan VAE
-        from fastvideo_pan2_ext import diffusers_decode
+        from fastvideo_pan2_ext.diffusers_integration import fast_decode as diffusers_decode
 
         return getattr(diffusers_decode, name)
     if name in ("enable_fast_encode", "disable_fast_encode", "is_fast_encode_enabled"):
-        from fastvideo_pan2_ext import diffusers_encode
+        from fastvideo_pan2_ext.diffusers_integration import fast_encode as diffusers_encode
 
         return getattr(diffusers_encode, name)
     if name in ("WanVAEDecoder", "WanVAEEncoder"):  # the VAE library; neither FastVideo nor diffusers is imported

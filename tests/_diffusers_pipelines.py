@@ -1,5 +1,5 @@
 """Real diffusers Wan pipelines built from tiny seeded random-weight components, for CPU tests of the fast decoder
-(`fastvideo_pan2_ext.diffusers_decode`). No tokenizer or text encoder: the calls pass `prompt_embeds`.
+(`fastvideo_pan2_ext.diffusers_integration.fast_decode`). No tokenizer or text encoder: the calls pass `prompt_embeds`.
 
 Layouts: "wan2.1" (WanPipeline, Wan2.1 VAE: 16 latent channels, 8x), "wan2.2-ti2v" (WanPipeline with
 `expand_timesteps=True`, the Wan2.2 VAE: residual, patch size 2, 16x), "i2v" (WanImageToVideoPipeline without an image

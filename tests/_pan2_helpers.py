@@ -267,7 +267,7 @@ DECODE_HOOK = textwrap.dedent("""
         _decoder.WanVAEDecoder.decode_iter = decode_iter
     if _mode == "disk-full":  # the mp4 writer's disk fills up after the first frame
         import errno
-        from fastvideo_pan2_ext import video_io
+        from fastvideo_pan2_ext.media import video_io
 
         _append = video_io._Mp4.append
 

@@ -100,7 +100,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = _graph()
-    assert len(graph) > 40 and f"{NAME}.vae_kernel.decoder" in graph[f"{NAME}.integration.fast_decode"]
+    assert len(graph) > 40 and f"{NAME}.vae_kernel.decoder" in graph[f"{NAME}.fastvideo_integration.fast_decode"]
     assert _cycles(graph) == []
 
 
@@ -142,7 +142,7 @@ def test_the_compiled_backend_is_entered_through_one_module():
     assert door and all(t.startswith(f"{VK}.compiled.") for t in _own(door)), door
 
 
-ADAPTER = f"{NAME}.integration.adapter"
+ADAPTER = f"{NAME}.fastvideo_integration.adapter"
 
 
 def _fastvideo_module_exists(dotted: str) -> bool:

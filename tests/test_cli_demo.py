@@ -20,7 +20,7 @@ def test_demo_help_lists_its_flags():
 
 
 def test_demo_ships_its_sample_image():
-    from fastvideo_pan2_ext.image import load_image
+    from fastvideo_pan2_ext.media.image import load_image
 
     assert demo.SAMPLE_IMAGE.is_file()
     assert load_image(demo.SAMPLE_IMAGE).size == (384, 256)  # stored landscape; its EXIF says rotate 90

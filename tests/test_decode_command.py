@@ -19,7 +19,8 @@ import pytest
 import torch
 from _pan2_helpers import OFFLINE, run, video_frames_and_size
 
-from fastvideo_pan2_ext import decode, latents_file
+from fastvideo_pan2_ext.commands import decode
+from fastvideo_pan2_ext.media import latents_file
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 

@@ -218,7 +218,7 @@ def _fastvideo_vae(wan22_vae, frames_per_pass):
 
 
 def test_the_streamed_save_rewrites_its_file_after_a_restart(wan22_vae, z, tmp_path, monkeypatch, caplog):
-    from fastvideo_pan2_ext.integration import fast_decode, streamed_save
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode, streamed_save
 
     streamed_save.write_while_decoding(_fastvideo_vae(wan22_vae, 1), z, streamed_save.StreamedSaveRequest(
         str(tmp_path / "undisturbed.mp4"), 24))

@@ -59,7 +59,7 @@ def test_diffusers_decoder_weights_leave_the_device_with_the_vae_and_come_back_t
 
 
 def test_fastvideo_decoder_weights_leave_the_device_with_the_vae_and_come_back_the_same():
-    from fastvideo_pan2_ext.integration import fast_decode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode
 
     vae = fastvideo_wan_vae_of(make_wan22_vae(seed=0), decode_kernel=True)
     z = random_latents(Z, seed=1)

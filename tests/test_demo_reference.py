@@ -14,7 +14,7 @@ from PIL import Image
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.demo import reference_decoder as demo
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import expected_shapes, infer_config
-from fastvideo_pan2_ext.video_io import to_uint8_frames
+from fastvideo_pan2_ext.media.video_io import to_uint8_frames
 
 
 def _read_mp4(path):

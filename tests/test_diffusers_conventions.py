@@ -14,7 +14,9 @@ import torch
 from _diffusers_pipelines import call_kwargs, tiny_pipeline, tiny_vae
 
 import fastvideo_pan2_ext
-from fastvideo_pan2_ext import diffusers_decode, diffusers_encode, enable_fast_decode, enable_fast_encode
+from fastvideo_pan2_ext import enable_fast_decode, enable_fast_encode
+from fastvideo_pan2_ext.diffusers_integration import fast_decode as diffusers_decode
+from fastvideo_pan2_ext.diffusers_integration import fast_encode as diffusers_encode
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 
 

@@ -19,7 +19,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.vae import DecoderOutput
 
 from fastvideo_pan2_ext import disable_fast_decode, enable_fast_decode
-from fastvideo_pan2_ext.diffusers_decode import is_fast_decode_enabled
+from fastvideo_pan2_ext.diffusers_integration.fast_decode import is_fast_decode_enabled
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32

@@ -25,8 +25,9 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
 import fastvideo_pan2_ext
-from fastvideo_pan2_ext import (diffusers_encode, disable_fast_decode, disable_fast_encode, enable_fast_decode,
-                                enable_fast_encode, is_fast_decode_enabled, is_fast_encode_enabled)
+from fastvideo_pan2_ext import (disable_fast_decode, disable_fast_encode, enable_fast_decode, enable_fast_encode,
+                                is_fast_decode_enabled, is_fast_encode_enabled)
+from fastvideo_pan2_ext.diffusers_integration import fast_encode as diffusers_encode
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
 

@@ -1,5 +1,5 @@
 """Every citation in the repository names something that exists: a section of a document (docs/design.md,
-"Definitions": a heading of that title in that file), a file (tests/test_error_types.py, integration/adapter.py, with
+"Definitions": a heading of that title in that file), a file (tests/test_error_types.py, fastvideo_integration/adapter.py, with
 a `:LINE` not past its end) and a module path in backquotes (`vae_kernel.definitions.precision.exact_fp32`,
 `memory.MemoryPlanner.retry_plan`). Read from the text alone: nothing is imported or run.
 
@@ -10,11 +10,11 @@ the other ignored folders; not this file, whose examples are planted mistakes):
   (each line's indentation and comment marker are dropped). The document has a markdown heading whose text is the
   title, or the title and a trailing parenthesis (`## The encoder (`vae_kernel.encoder`, ...)` answers "The encoder").
 - a file: a path whose first folder is one at the repository's root (`tools/`, `bench/`, ...) or a folder of the tree
-  (integration/adapter.py: some `integration/` folder holds adapter.py), or, in a document, a path from `../`; the
+  (fastvideo_integration/adapter.py: some `integration/` folder holds adapter.py), or, in a document, a path from `../`; the
   file exists, and a `:LINE` after it is at most its line count. Placeholders (`<date>`, `*`, `X.json`, `DATE`) are
   not citations. A bare `name.py:LINE` names another project's file (FastVideo's) and is not checked.
 - a module path: a dotted name in backquotes whose leading parts end the dotted path of one of the tree's modules
-  (`stages`, `integration.stages`, `fastvideo_pan2_ext.integration.stages`; the longest such). The next part is a
+  (`stages`, `fastvideo_integration.stages`, `fastvideo_pan2_ext.fastvideo_integration.stages`; the longest such). The next part is a
   name the module binds at its top level (for a module with a `__getattr__`, also a name its tables list), and the
   part after a class without bases a name the class defines (a class with bases may inherit it: not checked). A
   dotted name that starts with no module of the tree (`torch.equal`, `WanVAEDecoder.last_plan`) is not checked.
@@ -68,7 +68,7 @@ def modules() -> dict[str, Path]:
 
 @functools.cache
 def modules_by_ending() -> dict[str, tuple[Path, ...]]:
-    """Each module under every ending of its dotted path (`stages`, `integration.stages`, ...)."""
+    """Each module under every ending of its dotted path (`stages`, `fastvideo_integration.stages`, ...)."""
     found: dict[str, list[Path]] = {}
     for name, module in modules().items():
         parts = name.split(".")
@@ -330,7 +330,7 @@ def test_the_checks_see_the_forms_in_use():
              '    retries", "Definitions"; [docs/diffusers.md](docs/diffusers.md),',  # 3
              '"`enable_fast_encode`"; README, "Serving"; README\'s "Try it"; docs/fastvideo.md, "Scaling out".',  # 4
              'docs/design.md, "No such section"; docs/nowhere.md, "Rooms"; the bar ("VAE decode")',  # 5
-             "tests/test_docs_citations.py:1 tools/no_such_tool.py integration/no_such.py integration/adapter.py",  # 6
+             "tests/test_docs_citations.py:1 tools/no_such_tool.py fastvideo_integration/no_such.py fastvideo_integration/adapter.py",  # 6
              "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py",  # 7
              "`vae_kernel.definitions.precision.exact_fp32` `vae_kernel.precision.exact_fp32` `memory.retry_plan`",  # 8
              "`memory.no_such_plan` `torch.equal` `fa4.py` `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder`",  # 9
@@ -347,7 +347,7 @@ def test_the_checks_see_the_forms_in_use():
     assert broken_file_citations(citing, text) == [
         "tools/planted_citations.py:5: docs/nowhere.md: no such file",
         "tools/planted_citations.py:6: tools/no_such_tool.py: no such file",
-        "tools/planted_citations.py:6: integration/no_such.py: no such file",
+        "tools/planted_citations.py:6: fastvideo_integration/no_such.py: no such file",
         "tools/planted_citations.py:7: tests/test_docs_citations.py:100000: past the file's end"]
     assert broken_module_paths(citing, text) == [
         ("tools/planted_citations.py:8: `vae_kernel.precision.exact_fp32`: no module vae_kernel.precision and no "

@@ -150,7 +150,7 @@ def test_bad_input_errors_and_running_out_of_memory_on_one_rank_reach_every_rank
 def _different_weights(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
-    from fastvideo_pan2_ext.diffusers_encode import enable_fast_encode
+    from fastvideo_pan2_ext.diffusers_integration.fast_encode import enable_fast_encode
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 
     vae, video = _vae("wan22"), _video(SIZES["wan22"], 5, batch=1)
@@ -182,7 +182,7 @@ def test_ranks_whose_weights_differ_each_refuse_the_encode_and_the_decode_in_one
 def _diffusers_vae_over_ranks(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
-    from fastvideo_pan2_ext.diffusers_encode import enable_fast_encode
+    from fastvideo_pan2_ext.diffusers_integration.fast_encode import enable_fast_encode
 
     vae, video = _vae("wan22"), _video(SIZES["wan22"], 9)
     enable_fast_encode(vae, pg=dist.group.WORLD)
@@ -194,7 +194,7 @@ def _diffusers_vae_over_ranks(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_diffusers_encode_over_a_group_gives_every_rank_one_ranks_distribution(tmp_path):
-    from fastvideo_pan2_ext.diffusers_encode import enable_fast_encode
+    from fastvideo_pan2_ext.diffusers_integration.fast_encode import enable_fast_encode
 
     results = run_ranks(_diffusers_vae_over_ranks, 2, tmp_path)
     vae = _vae("wan22")

@@ -46,8 +46,8 @@ def test_backend_auto_where_the_compiled_decoder_cannot_load_runs_the_portable_o
 
 
 def test_image_and_checkpoint_errors_are_value_errors(tmp_path):
-    from fastvideo_pan2_ext.image import ImageInputError, load_image
-    from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
+    from fastvideo_pan2_ext.media.image import ImageInputError, load_image
+    from fastvideo_pan2_ext.fastvideo_integration.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
 
     with pytest.raises(ValueError) as raised:
         load_image(tmp_path / "missing.png")
@@ -58,7 +58,7 @@ def test_image_and_checkpoint_errors_are_value_errors(tmp_path):
 
 
 def test_an_unwritable_output_folder_is_an_os_error(tmp_path):
-    from fastvideo_pan2_ext.video_io import check_writable
+    from fastvideo_pan2_ext.media.video_io import check_writable
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -69,7 +69,7 @@ def test_an_unwritable_output_folder_is_an_os_error(tmp_path):
 def test_a_fastvideo_without_a_seam_is_a_runtime_error(monkeypatch):
     import fastvideo.registry
 
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
 
     monkeypatch.delattr(fastvideo.registry, "_CONFIG_REGISTRY")  # what a FastVideo that renamed it looks like
     with pytest.raises(RuntimeError, match=r"needs fastvideo\.registry\._CONFIG_REGISTRY") as raised:
@@ -86,7 +86,7 @@ def test_one_line_of_an_error_is_first_lines_everywhere_and_an_empty_message_nam
 
     from diffusers import AutoencoderKLWan
 
-    from fastvideo_pan2_ext import decode
+    from fastvideo_pan2_ext.commands import decode
     from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
     assert (first_line(OSError()), first_line(ValueError(" \n")), first_line(RuntimeError("a\nb"), with_type=True)) == \

@@ -20,7 +20,7 @@ from _pan2_helpers import forward_batch
 from _ranks import run_ranks
 
 from fastvideo_pan2_ext import enable_fast_decode
-from fastvideo_pan2_ext.diffusers_decode import is_fast_decode_enabled
+from fastvideo_pan2_ext.diffusers_integration.fast_decode import is_fast_decode_enabled
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel.portable import ops, weights
 
@@ -70,7 +70,7 @@ def test_a_pipeline_under_inference_mode_decodes_as_under_no_grad(cpu_compute, c
 def test_fastvideo_decoding_stage_under_inference_mode(pan2, tiny_ckpt, cpu_compute, monkeypatch):
     """FastVideo's decoding stage with the fast decoder on, run under inference_mode (the decoder built there), gives
     the video it gives without."""
-    from fastvideo_pan2_ext.integration import fast_decode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode
 
     pipeline, args = pan2
     stage = pipeline._stage_name_mapping["decoding_stage"]

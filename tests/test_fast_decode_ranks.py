@@ -29,7 +29,7 @@ def _stage_and_args(tiny_ckpt: str):
     from safetensors.torch import load_file
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.integration.stages import PAN2DecodingStage
+    from fastvideo_pan2_ext.fastvideo_integration.stages import PAN2DecodingStage
 
     args = FastVideoArgs.from_kwargs(model_path=tiny_ckpt, num_gpus=1, workload_type="i2v",
                                      pipeline_config=PAN2PipelineConfig(vae_decode_kernel=True,
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, tmp: str, port: int, tiny_ckpt: str, case: str)
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
     from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
 
-    from fastvideo_pan2_ext.integration import streamed_save
+    from fastvideo_pan2_ext.fastvideo_integration import streamed_save
 
     maybe_init_distributed_environment_and_model_parallel(1, 1, f"tcp://127.0.0.1:{port}")
     stage, args = _stage_and_args(tiny_ckpt)
@@ -81,7 +81,7 @@ def single(tiny_ckpt, tmp_path_factory):
 
 
 def _single(tiny_ckpt, out):
-    from fastvideo_pan2_ext.integration import streamed_save
+    from fastvideo_pan2_ext.fastvideo_integration import streamed_save
 
     stage, args = _stage_and_args(str(tiny_ckpt))
     batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)

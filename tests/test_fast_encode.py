@@ -1,4 +1,4 @@
-"""The fast encoder in FastVideo (`integration.fast_encode`, docs/design.md "The fast encoder in FastVideo"):
+"""The fast encoder in FastVideo (`fastvideo_integration.fast_encode`, docs/design.md "The fast encoder in FastVideo"):
 
 - FastVideo's own `AutoencoderKLWan` (built tiny from its `WanVAEConfig`, both layouts, seeded random weights):
   `encode_kernel` off returns FastVideo's encode exactly; on, FastVideo's `DiagonalGaussianDistribution` of moments
@@ -26,7 +26,7 @@ from _vae_helpers import fastvideo_wan_vae_of, make_wan21_vae, make_wan22_vae, r
 
 # fp32 rounding between two fp32 encodes of moments of magnitude ~1 at these widths (measured ~2e-6).
 FP32_ATOL = 3e-5
-LOGGER = "fastvideo_pan2_ext.integration.fast_encode"
+LOGGER = "fastvideo_pan2_ext.fastvideo_integration.fast_encode"
 # (layout, height, width): Wan2.2 takes multiples of 16; Wan2.1 any size from 8 (here not a multiple of 8).
 LAYOUTS = {"wan2.2": (make_wan22_vae, 32, 48), "wan2.1": (make_wan21_vae, 20, 28)}
 
@@ -60,7 +60,7 @@ def layout(request):
 @pytest.fixture
 def switched_on(layout):
     """The layout's VAE with `encode_kernel` on (and its options at their defaults) inside the test."""
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     vae = layout[0]
     vae.config.encode_kernel = True
@@ -84,7 +84,7 @@ def _assert_within_fp32_rounding(ours, fastvideos) -> None:
 
 
 def test_switch_off_is_fastvideos_own_encode(layout):
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     vae, height, width = layout
     x = _video((1, 3, 9, height, width), seed=1)
@@ -98,7 +98,7 @@ def test_switch_off_is_fastvideos_own_encode(layout):
 
 @pytest.mark.parametrize("case", ["first frame", "clip", "i2v batch 2"])
 def test_switch_on_is_fastvideos_distribution_within_rounding_and_draws_the_same(switched_on, case):
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     vae, height, width = switched_on
     if case == "first frame":  # TI2V (PAN2): one frame
@@ -128,7 +128,7 @@ def test_switch_on_is_fastvideos_distribution_within_rounding_and_draws_the_same
 
 
 def test_the_options_reach_the_encoder(switched_on):
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     vae, height, width = switched_on
     x = _video((1, 3, 9, height, width), seed=5)
@@ -169,7 +169,7 @@ def test_a_bf16_vae_under_fastvideos_autocast_encodes_in_bf16_no_worse_than_fast
 
 
 def test_a_weight_changed_between_encodes_is_used_and_a_move_drops_the_encoder(switched_on):
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     vae, height, width = switched_on
     x = _video((1, 3, 5, height, width), seed=7)
@@ -259,7 +259,7 @@ def test_a_weight_turned_non_finite_is_fastvideos_until_it_is_finite_again(caplo
     fast encoder was made runs FastVideo's encode (one warning); made finite again, it is the fast encoder's."""
     vae = _wan21_vae_of_config()
     x = _video((1, 3, 5, 16, 16), seed=14)
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     weight = vae.encoder.down_blocks[1].conv2.weight
     with torch.no_grad():
@@ -412,7 +412,7 @@ def test_the_command_lines_budget_check_plans_as_the_workers_do(tiny_ckpt):
     from diffusers import AutoencoderKLWan
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.integration import fast_decode, fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode, fast_encode
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
     from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
 

@@ -1,4 +1,4 @@
-"""The one seam to FastVideo (`integration.adapter`): it alone names FastVideo's private symbols, and a FastVideo that
+"""The one seam to FastVideo (`fastvideo_integration.adapter`): it alone names FastVideo's private symbols, and a FastVideo that
 lacks one is a single error line at `register()` (docs/design.md, "FastVideo facts relied on")."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _package_sources() -> list[Path]:
 
 
 def test_every_seam_exists_in_the_installed_fastvideo():
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
 
     adapter.check()
     adapter.check_serving()
@@ -39,7 +39,7 @@ WITHOUT_THE_WEB_STACK = textwrap.dedent("""
         sys.modules[name] = None
     import fastvideo
     from fastvideo_pan2_ext import register
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
     register()
     try:
         adapter.check_serving()
@@ -83,7 +83,7 @@ def test_a_seam_takes_the_first_spelling_the_installed_fastvideo_has():
     """A seam lists the spellings of several FastVideo releases; a missing one is passed over, none is one line."""
     import pytest
 
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
 
     renamed = adapter.Seam("fastvideo.pipelines.stages", "DecodingStageV2", "a later release's name",
                            alternatives=(("fastvideo.pipelines.stages", "DecodingStage"), ))

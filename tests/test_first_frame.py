@@ -6,8 +6,9 @@ import pytest
 import torch
 from _pan2_helpers import (decompression_bomb_png, exif_rotated_jpeg, make_signoff_images, truncated_png)
 
-from fastvideo_pan2_ext import image, reference
-from fastvideo_pan2_ext.image import ImageInputError, load_first_frame, load_image
+from fastvideo_pan2_ext import reference
+from fastvideo_pan2_ext.media import image
+from fastvideo_pan2_ext.media.image import ImageInputError, load_first_frame, load_image
 
 SIZES = [(256, 384), (704, 1248)]
 

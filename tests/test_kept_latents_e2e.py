@@ -55,7 +55,7 @@ def _printed_command(stderr: str, kept_path: Path, error: str = "RuntimeError: i
 
 @pytest.mark.timeout(1800)  # two real runs: FastVideo (parent + worker), then the decode command
 def test_a_failed_decode_keeps_latents_that_the_printed_command_makes_into_the_same_video(tiny_ckpt, tmp_path):
-    from fastvideo_pan2_ext import latents_file
+    from fastvideo_pan2_ext.media import latents_file
     from fastvideo_pan2_ext import reference
     from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 
@@ -99,7 +99,7 @@ def test_a_failed_decode_keeps_latents_that_the_printed_command_makes_into_the_s
 
 @pytest.mark.timeout(1200)  # one real FastVideo run (parent + worker) on a possibly busy machine
 def test_a_full_disk_at_the_streamed_save_keeps_the_latents(tiny_ckpt, tmp_path):
-    from fastvideo_pan2_ext import latents_file
+    from fastvideo_pan2_ext.media import latents_file
 
     image = exif_rotated_jpeg(tmp_path / "first.jpg", 192, 128, orientation=6)
     out = tmp_path / "full"

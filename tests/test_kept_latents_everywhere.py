@@ -35,8 +35,8 @@ def test_a_failed_decode_that_fastvideo_would_save_keeps_the_latents(pan2, tiny_
     """No streamed save (FastVideo's own decode and save): the stage keeps the de-normalized latents the decoder was
     given beside the video, hands FastVideo a placeholder, and the parent's check raises the one line. Without a
     keep request (a batch not from the parent's PAN2 path) the error is FastVideo's, unchanged."""
-    from fastvideo_pan2_ext import latents_file
-    from fastvideo_pan2_ext.integration import decode_failure, kept_latents
+    from fastvideo_pan2_ext.media import latents_file
+    from fastvideo_pan2_ext.fastvideo_integration import decode_failure, kept_latents
     from fastvideo_pan2_ext.vae_kernel import decoder as decoder_module
 
     given = []
@@ -128,7 +128,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow  # FastVideo end to end (parent + worker), then the decode command
 @pytest.mark.timeout(1800)
 def test_video_generator_raises_decode_failed_and_the_kept_latents_make_the_video(tiny_ckpt, tmp_path):
-    from fastvideo_pan2_ext import latents_file
+    from fastvideo_pan2_ext.media import latents_file
 
     hook = tmp_path / "hook"
     hook.mkdir()

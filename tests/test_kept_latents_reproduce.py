@@ -37,8 +37,8 @@ def _hub_cache(root, checkpoint):
 def test_a_hub_checkpoint_with_a_bf16_vae_is_decoded_again_bit_for_bit(pan2, tiny_ckpt, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from fastvideo_pan2_ext import latents_file
-    from fastvideo_pan2_ext.integration import decode_failure, kept_latents
+    from fastvideo_pan2_ext.media import latents_file
+    from fastvideo_pan2_ext.fastvideo_integration import decode_failure, kept_latents
     from fastvideo_pan2_ext.vae_kernel import decoder as decoder_module
 
     cache = _hub_cache(tmp_path / "hub", tiny_ckpt)
@@ -89,7 +89,7 @@ def test_a_hub_revision_is_recorded_as_the_commit_the_cache_resolves_it_to(pan2,
     not in the default cache (FastVideo given another place) keeps its latents with the revision as given."""
     import huggingface_hub.constants
 
-    from fastvideo_pan2_ext.integration import kept_latents
+    from fastvideo_pan2_ext.fastvideo_integration import kept_latents
 
     _, args = pan2
     monkeypatch.setattr(args, "model_path", HUB_ID)

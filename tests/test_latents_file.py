@@ -1,4 +1,4 @@
-"""The kept-latents file (`fastvideo_pan2_ext.latents_file`): a round trip keeps every field, the file is created as
+"""The kept-latents file (`fastvideo_pan2_ext.media.latents_file`): a round trip keeps every field, the file is created as
 any new file of the process (the umask decides its mode) and reaches the disk before its name does, a failed write
 leaves nothing, a file that is not one (or is damaged) is one clear error, and the decode command it prints can be
 pasted into a shell."""
@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from fastvideo_pan2_ext import latents_file
-from fastvideo_pan2_ext.latents_file import KeptLatents, LatentsFileError
+from fastvideo_pan2_ext.media import latents_file
+from fastvideo_pan2_ext.media.latents_file import KeptLatents, LatentsFileError
 
 
 def _kept(**changes) -> KeptLatents:
@@ -43,7 +43,7 @@ def test_a_round_trip_keeps_every_field(tmp_path, vae, revision, dtype):
 def test_the_file_is_created_as_the_umask_says(tmp_path):
     """A process with umask 027 creates its files 0640 (0666 & ~027): the kept file too, as any other."""
     code = ("import sys, torch\n"
-            "from fastvideo_pan2_ext import latents_file\n"
+            "from fastvideo_pan2_ext.media import latents_file\n"
             "latents_file.write(sys.argv[1], latents_file.KeptLatents(torch.zeros(1, 48, 1, 2, 2), False, '/m', "
             "'wan2.2', 24.0, {}, '/v.mp4'))\n")
     path = tmp_path / "clip.latents.safetensors"

@@ -44,7 +44,7 @@ def test_command_line_flags_come_from_the_table():
 
 
 def test_the_wan_vae_config_fields_are_the_switch_and_one_per_option():
-    from fastvideo_pan2_ext.integration import fast_decode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode
 
     assert list(fast_decode.CONFIG_FIELDS) == ["decode_kernel", *(f"decode_{name}" for name in options.NAMES)]
     assert {name: default for name, (_, default) in fast_decode.CONFIG_FIELDS.items()} == {
@@ -52,7 +52,7 @@ def test_the_wan_vae_config_fields_are_the_switch_and_one_per_option():
 
 
 def test_the_wan_vae_config_fields_of_the_encoder_are_its_switch_and_one_per_encode_option():
-    from fastvideo_pan2_ext.integration import fast_encode
+    from fastvideo_pan2_ext.fastvideo_integration import fast_encode
 
     assert list(fast_encode.CONFIG_FIELDS) == ["encode_kernel", *(f"encode_{name}" for name in options.ENCODE_NAMES)]
     assert {name: default for name, (_, default) in fast_encode.CONFIG_FIELDS.items()} == {

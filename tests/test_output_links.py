@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvideo_pan2_ext.video_io import (PartialFile, check_writable, open_folder, open_written, remove_video,
+from fastvideo_pan2_ext.media.video_io import (PartialFile, check_writable, open_folder, open_written, remove_video,
                                          write_video_stream)
 
 CHUNK = torch.zeros(1, 3, 5, 32, 48)  # five grey 48x32 frames
@@ -192,7 +192,7 @@ def latents_and_vae(tmp_path_factory):
 
 
 def _decode(latents_and_vae, output: Path, *extra) -> int:
-    from fastvideo_pan2_ext import decode
+    from fastvideo_pan2_ext.commands import decode
 
     latents, vae = latents_and_vae
     try:

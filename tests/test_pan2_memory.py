@@ -1,4 +1,4 @@
-"""PAN2's memory plan (`model.memory`, `integration.memory_check`): its weight bytes are the real model's parameters,
+"""PAN2's memory plan (`model.memory`, `fastvideo_integration.memory_check`): its weight bytes are the real model's parameters,
 its sizes come from a checkpoint's own files, and a run that cannot fit is one line before any weight loads."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_the_cli_refuses_a_run_that_cannot_fit_before_any_weight_loads(pan2, tin
     from the CLI's checks, before a worker starts. On 80 GB the weights alone are refused the same way."""
     from fastvideo.entrypoints.cli.main import main
 
-    from fastvideo_pan2_ext.integration import memory_check
+    from fastvideo_pan2_ext.fastvideo_integration import memory_check
 
     monkeypatch.setattr(memory_check, "gpu_bytes", lambda num_gpus: 84 * GB)
     monkeypatch.setattr(memory.Sizes, "from_checkpoint", classmethod(lambda cls, folder: REAL))
@@ -180,7 +180,7 @@ def test_one_joint_blocks_flops_are_what_torch_counts_on_the_reference_block():
 ])
 def test_the_pan2_preset_picks_the_fastest_layout_that_fits_the_gpus_it_finds(tiny_ckpt, monkeypatch, gpu_gb,
                                                                               chosen):
-    from fastvideo_pan2_ext.integration import memory_check
+    from fastvideo_pan2_ext.fastvideo_integration import memory_check
 
     monkeypatch.setattr(memory_check, "gpu_bytes", lambda num_gpus: gpu_gb * GB)
     monkeypatch.setattr(memory.Sizes, "from_checkpoint", classmethod(lambda cls, folder: REAL))

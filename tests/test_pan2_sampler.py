@@ -139,19 +139,19 @@ def _mutate_rope_to_neox(monkeypatch, pipeline):
 
 
 def _mutate_hidden_layer(monkeypatch, pipeline):
-    from fastvideo_pan2_ext.integration import stages
+    from fastvideo_pan2_ext.fastvideo_integration import stages
 
     monkeypatch.setattr(stages, "HIDDEN_LAYER", -2)
 
 
 def _mutate_template_crop(monkeypatch, pipeline):
-    from fastvideo_pan2_ext.integration import stages
+    from fastvideo_pan2_ext.fastvideo_integration import stages
 
     monkeypatch.setattr(stages, "USER_HEADER", "<|im_start|>system\n")  # the system message becomes condition
 
 
 def _mutate_system_message(monkeypatch, pipeline):
-    from fastvideo_pan2_ext.integration import stages
+    from fastvideo_pan2_ext.fastvideo_integration import stages
 
     monkeypatch.setattr(stages, "SYSTEM_MESSAGE", "You are a helpful assistant.")
 
@@ -159,7 +159,7 @@ def _mutate_system_message(monkeypatch, pipeline):
 def _mutate_first_frame_crop(monkeypatch, pipeline):
     from PIL import Image
 
-    from fastvideo_pan2_ext import image
+    from fastvideo_pan2_ext.media import image
 
     def floor_crop(img, height, width):  # Wan's centre crop: offsets floored
         cover_w, cover_h = image.cover_size(*img.size, height, width)
@@ -168,14 +168,14 @@ def _mutate_first_frame_crop(monkeypatch, pipeline):
         pixels = torch.from_numpy(__import__("numpy").asarray(resized, dtype="float32") / 255.0)
         return (2.0 * pixels - 1.0).permute(2, 0, 1)[None, :, None].contiguous()
 
-    from fastvideo_pan2_ext.integration import stages
+    from fastvideo_pan2_ext.fastvideo_integration import stages
 
     monkeypatch.setattr(stages, "first_frame_from_image", floor_crop)
 
 
 def _mutate_exif(monkeypatch, pipeline):
-    from fastvideo_pan2_ext import image
-    from fastvideo_pan2_ext.integration import stages
+    from fastvideo_pan2_ext.media import image
+    from fastvideo_pan2_ext.fastvideo_integration import stages
 
     monkeypatch.setattr(stages, "load_image", lambda path: image.load_image(path, exif_transpose=True))
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _pan2_helpers import forward_batch
 
-from fastvideo_pan2_ext.integration import fast_decode, streamed_save
+from fastvideo_pan2_ext.fastvideo_integration import fast_decode, streamed_save
 
 # Batch 2, odd latent height and width: 48 x 80 px frames, 9 frames (two decoder passes at frames_per_pass 2).
 LATENTS = torch.randn(2, 48, 3, 3, 5, generator=torch.Generator().manual_seed(5))
@@ -126,10 +126,10 @@ def test_a_budget_too_small_for_one_row_tiles_is_a_clear_error(pan2, tiny_ckpt, 
 def test_a_budget_that_tiles_a_decode_can_be_too_small_to_stream_it(pan2, tiny_ckpt, plain_tall, tmp_path):
     """Streamed tiles advance together, so every tile's causal history is alive at once: at this small frame no
     tile size streams within a budget that one-at-a-time tiles fit. The stage says so before writing any frame, and
-    keeps the latents (a failed decode after denoising never loses them: `integration.kept_latents`)."""
+    keeps the latents (a failed decode after denoising never loses them: `fastvideo_integration.kept_latents`)."""
     import re
 
-    from fastvideo_pan2_ext.integration import decode_failure
+    from fastvideo_pan2_ext.fastvideo_integration import decode_failure
 
     budget = _budget_that_tiles(pan2)
     assert torch.equal(_stage_output(pan2, tiny_ckpt, TALL, vae_decode_kernel=True, vae_decode_max_memory=budget),
@@ -287,7 +287,7 @@ def test_a_failed_requests_partial_file_is_released_when_it_ends(tiny_ckpt, tmp_
     from fastvideo.fastvideo_args import FastVideoArgs
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.integration import cancel, request_failure
+    from fastvideo_pan2_ext.fastvideo_integration import cancel, request_failure
 
     args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt),
                                      pipeline_config=PAN2PipelineConfig(vae_decode_kernel=streamed))
@@ -308,7 +308,7 @@ def test_a_failed_requests_partial_file_is_released_when_it_ends(tiny_ckpt, tmp_
 def test_only_save_only_pixel_requests_on_local_workers_with_the_fast_decoder_stream(pan2, tiny_ckpt):
     from fastvideo.api.sampling_param import SamplingParam
 
-    from fastvideo_pan2_ext.integration.streamed_save import streams
+    from fastvideo_pan2_ext.fastvideo_integration.streamed_save import streams
 
     _, args = pan2
     sampling = SamplingParam.from_pretrained(str(tiny_ckpt))
@@ -347,7 +347,7 @@ def test_pan2_switches_are_views_of_the_vae_config_and_the_old_name_still_works(
 
 
 def test_a_request_of_the_wrong_type_in_batch_extra_is_a_clear_error(pan2, tiny_ckpt, tmp_path):
-    from fastvideo_pan2_ext.integration import decode_failure
+    from fastvideo_pan2_ext.fastvideo_integration import decode_failure
 
     pipeline, args = pan2
     for key, wrong, expected in ((streamed_save.KEY, str(tmp_path / "x.mp4"), "StreamedSaveRequest"),

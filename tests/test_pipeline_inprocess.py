@@ -23,7 +23,7 @@ def test_fastvideo_builds_pan2_pipeline_from_the_public_layout(pan2):
     from fastvideo.pipelines.stages import DecodingStage, InputValidationStage
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
-    from fastvideo_pan2_ext.integration import stages as pan2_stages
+    from fastvideo_pan2_ext.fastvideo_integration import stages as pan2_stages
     from fastvideo_pan2_ext.model.transformer import PAN2Transformer3DModel
 
     pipeline, args = pan2
@@ -334,7 +334,7 @@ def test_fa4_policy_warns_when_fastvideos_flash_attention_is_already_loaded(pan2
 def test_python_api_pan2_config_selects_pan2_pipeline_and_refuses_other_checkpoints(pan2, tiny_ckpt, wan22_stock):
     from fastvideo.fastvideo_args import FastVideoArgs
 
-    from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError
+    from fastvideo_pan2_ext.fastvideo_integration.checkpoint import NotPAN2CheckpointError
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
 
     args = FastVideoArgs.from_kwargs(model_path=str(tiny_ckpt), pipeline_config=PAN2PipelineConfig())

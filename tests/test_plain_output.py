@@ -146,7 +146,7 @@ def test_fastvideos_colours_go_to_a_terminal_only(tmp_path):
 
 def test_colours_follow_no_color_on_a_terminal_too(monkeypatch, tmp_path):
     """The rule the test above runs (`adapter.colours`), on a real terminal and a real file."""
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
 
     master, slave = pty.openpty()
     with os.fdopen(slave, "w") as terminal, open(tmp_path / "log", "w") as log:

@@ -59,7 +59,7 @@ REGISTRATION_FACTS = textwrap.dedent("""
     from fastvideo.api import presets
     from fastvideo.entrypoints.cli.generate import GenerateSubcommand
     from fastvideo_pan2_ext import register
-    from fastvideo_pan2_ext.integration import registration
+    from fastvideo_pan2_ext.fastvideo_integration import registration
     registered_by_import = registration._registered
     register(); register()  # idempotent
     info = registry._get_config_info(CHECKPOINT)

@@ -45,7 +45,7 @@ def test_readme_has_the_three_blocks():
 
 
 def test_readme_checkpoint_block_makes_a_pan2_checkpoint(root):
-    from fastvideo_pan2_ext.integration.checkpoint import check_pan2_checkpoint
+    from fastvideo_pan2_ext.fastvideo_integration.checkpoint import check_pan2_checkpoint
 
     check_pan2_checkpoint(root / "out" / "pan2-tiny")
 

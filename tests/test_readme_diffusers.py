@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 # Appended to the example: the fast decoder decoded it, in tiles of diffusers' 256 px = 16 latent rows.
 CHECK = """
-from fastvideo_pan2_ext.diffusers_decode import is_fast_decode_enabled
+from fastvideo_pan2_ext.diffusers_integration.fast_decode import is_fast_decode_enabled
 assert is_fast_decode_enabled(pipe) and pipe.vae.__dict__["_pan2_fast_decode"].worker.last_plan.tile_rows == 16
 """
 

@@ -57,7 +57,7 @@ class Victim:
 def test_a_plain_serve_config_on_a_pan2_checkpoint_gets_pan2s_rules(request, tmp_path, checkpoint, pan2):
     """What `fastvideo serve --config` decides before any model loads: a config that names no pipeline gets PAN2's
     serving rules when its checkpoint is PAN2's (its manifest), and is FastVideo's own otherwise."""
-    from fastvideo_pan2_ext.integration import serving
+    from fastvideo_pan2_ext.fastvideo_integration import serving
 
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"generator": {"model_path": str(request.getfixturevalue(checkpoint))},
@@ -73,7 +73,7 @@ def test_an_operators_default_output_path_outside_output_dir_is_refused_at_start
                                                                                              monkeypatch, capsys):
     """FastVideo writes every request without an output_path to it; below output_dir it is taken as FastVideo takes it
     (a relative one from the working folder) and resolved once; elsewhere every job used to fail at its save."""
-    from fastvideo_pan2_ext.integration import adapter, serving
+    from fastvideo_pan2_ext.fastvideo_integration import adapter, serving
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
@@ -107,7 +107,7 @@ def _cancel_on_rank(rank: int, world: int, tmp: str) -> list:
 
     import torch.distributed as dist
 
-    from fastvideo_pan2_ext.integration import adapter, cancel
+    from fastvideo_pan2_ext.fastvideo_integration import adapter, cancel
 
     adapter.decode_group = lambda: dist.group.WORLD  # the request's ranks, as FastVideo's world group gives them
     adapter.local_torch_device = lambda: "cpu"

@@ -10,7 +10,7 @@ import yaml
 from _pan2_helpers import OFFLINE, run
 from _serve_helpers import EXAMPLE_CONFIG, FASTVIDEO
 
-from fastvideo_pan2_ext.integration.serving import Replicas, ServingRules, frames_for_seconds
+from fastvideo_pan2_ext.fastvideo_integration.serving import Replicas, ServingRules, frames_for_seconds
 
 
 @pytest.mark.parametrize("seconds, fps, frames", [(4, 24, 97), (1, 8, 9), (5, 24, 121), (1, 1, 1), (2, 3, 5)])

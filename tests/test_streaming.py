@@ -11,7 +11,7 @@ import torch
 
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-from fastvideo_pan2_ext.video_io import (grid_frames, mp4_size, to_uint8_frames, write_grid_stream, write_video_stream,
+from fastvideo_pan2_ext.media.video_io import (grid_frames, mp4_size, to_uint8_frames, write_grid_stream, write_video_stream,
                                          write_videos_stream)
 
 SHAPE = (2, 8, 3, 3, 3)  # batch 2, odd latent height: 48 x 48 px frames, 9 frames, two passes

@@ -208,7 +208,7 @@ def test_pan2_modular_manifest_loads_with_diffusers_modular_reader(pan2_ckpt):
 
 
 def test_pan2_checkpoint_passes_the_plugins_check(pan2_ckpt, pan2_cli_ckpt):
-    from fastvideo_pan2_ext.integration.checkpoint import check_pan2_checkpoint
+    from fastvideo_pan2_ext.fastvideo_integration.checkpoint import check_pan2_checkpoint
 
     check_pan2_checkpoint(pan2_cli_ckpt)  # the modular manifest
     check_pan2_checkpoint(pan2_ckpt)  # model_index.json read first

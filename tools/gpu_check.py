@@ -901,7 +901,7 @@ def pipeline(ctx: Context, timeout: float) -> dict:
     video = out / "pan2_demo.mp4"
     if done.returncode != 0 or not video.is_file():
         return result | {"ok": False, "log_tail": log[-4000:]}
-    from fastvideo_pan2_ext.video_io import mp4_size  # noqa: PLC0415
+    from fastvideo_pan2_ext.media.video_io import mp4_size  # noqa: PLC0415
 
     stored_h, stored_w, stored_frames = mp4_size(video)
     backend = re.search(r"fast VAE decoder: backend (\w+)", log)

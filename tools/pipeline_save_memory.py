@@ -30,7 +30,7 @@ def run_mode(mode: str, frames: int, height: int, width: int) -> dict:
 
     from fastvideo_pan2_ext import PAN2PipelineConfig, stream_save
     from fastvideo_pan2_ext.demo import SAMPLE_IMAGE, default_cache_dir, ensure_tiny_checkpoint
-    from fastvideo_pan2_ext.video_io import mp4_size
+    from fastvideo_pan2_ext.media.video_io import mp4_size
 
     if mode == "fastvideo-save":
         stream_save.streams = lambda *args: False

@@ -40,7 +40,7 @@ FASTVIDEO = Path(sys.executable).parent / "fastvideo"
 EXAMPLE_CONFIG = REPO / "configs" / "serve_pan2.yaml"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 SIZE, FRAMES, STEPS = "96x64", 9, 2  # the tiny request: 3 latent frames, one 64x96 first frame
-# A scaled-out server (fastvideo_pan2_ext.integration.scale_out, which a client does not import): the header that
+# A scaled-out server (fastvideo_pan2_ext.fastvideo_integration.scale_out, which a client does not import): the header that
 # routes a job's requests to its replica, the header that names the replica, the line that says all are ready.
 SESSION_HEADER, REPLICA_HEADER, REPLICAS_READY = "x-session-id", "x-serve-replica", "replicas ready behind"
 

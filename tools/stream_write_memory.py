@@ -38,7 +38,7 @@ def run_mode(mode: str, frames: int, hw: tuple[int, int], threads: int) -> dict:
     from _vae_helpers import random_wan22_decoder_weights
 
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
-    from fastvideo_pan2_ext.video_io import to_uint8_frames, write_video_stream
+    from fastvideo_pan2_ext.media.video_io import to_uint8_frames, write_video_stream
 
     torch.set_num_threads(threads)
     decoder = WanVAEDecoder(random_wan22_decoder_weights(), device="cpu", backend="torch", frames_per_pass=4)

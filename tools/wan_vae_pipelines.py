@@ -39,7 +39,7 @@ import fastvideo  # noqa: E402  (loads the plugin: WanVAEConfig gets its fields,
 import fastvideo.registry as registry  # noqa: E402
 from fastvideo.configs.models.vaes import WanVAEConfig  # noqa: E402
 
-from fastvideo_pan2_ext.integration import fast_decode  # noqa: E402
+from fastvideo_pan2_ext.fastvideo_integration import fast_decode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 COMMAND = "python tools/wan_vae_pipelines.py"

@@ -263,5 +263,5 @@ class WanVAEEncoder(Worker):
 
     def encode_dist(self, video: torch.Tensor, distribution):
         """`encode(video)` wrapped in `distribution`, a class taking the moments: diffusers' or FastVideo's
-        `DiagonalGaussianDistribution` (`fastvideo_pan2_ext.diffusers_encode` passes diffusers')."""
+        `DiagonalGaussianDistribution` (`fastvideo_pan2_ext.diffusers_integration.fast_encode` passes diffusers')."""
         return distribution(self.encode(video))

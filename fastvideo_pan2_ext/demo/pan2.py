@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
-    from fastvideo_pan2_ext.image import ImageInputError, check_size, load_image
+    from fastvideo_pan2_ext.media.image import ImageInputError, check_size, load_image
 
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out must be a folder; {str(args.out)!r} is a file")
@@ -117,7 +117,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     except ImageInputError as exc:
         parser.error(str(exc))
     if args.checkpoint is not None:
-        from fastvideo_pan2_ext.integration.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
+        from fastvideo_pan2_ext.fastvideo_integration.checkpoint import NotPAN2CheckpointError, check_pan2_checkpoint
 
         try:
             check_pan2_checkpoint(args.checkpoint)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         timings.append(("tiny checkpoint: " + ("made" if made else "from cache"), time.perf_counter() - t))
 
     t = time.perf_counter()
-    from fastvideo_pan2_ext.integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import adapter
 
     VideoGenerator = adapter.symbol("VideoGenerator")
 

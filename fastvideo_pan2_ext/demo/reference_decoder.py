@@ -26,7 +26,7 @@ import torch
 
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WanVAEConfig, expected_shapes, latent_frames
-from fastvideo_pan2_ext.video_io import to_uint8_frames, write_video_stream
+from fastvideo_pan2_ext.media.video_io import to_uint8_frames, write_video_stream
 
 Z_DIM = 48  # Wan2.2 / PAN2 latent channels
 DECODER_BASE_DIM = 8  # the real decoder has 256; 8 keeps the demo at seconds on a CPU

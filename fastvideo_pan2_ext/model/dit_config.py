@@ -19,7 +19,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from fastvideo_pan2_ext.integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import adapter
 from fastvideo_pan2_ext.model.architecture import PAN2TransformerConfig
 
 _REAL = PAN2TransformerConfig()

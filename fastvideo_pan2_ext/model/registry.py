@@ -5,7 +5,7 @@ neither torch nor FastVideo's model code."""
 
 from __future__ import annotations
 
-from fastvideo_pan2_ext.integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import adapter
 from fastvideo_pan2_ext.model.architecture import TEXT_ENCODER_CLASS_NAME, TRANSFORMER_CLASS_NAME
 
 # checkpoint class name -> (module, FastVideo's component kind, class)

@@ -1,7 +1,7 @@
 """PAN2's text encoder in FastVideo: transformers' `Qwen3_5TextModel` as the checkpoint ships it (Qwen3.5-9B, not
 fine-tuned), loaded by FastVideo's `TextEncoderLoader` through its pass-through for Hugging Face models (as FastVideo's
 own Qwen3 and Mistral3 encoders are). No port: transformers owns the architecture (its Gated-DeltaNet layers included)
-and PAN2's prompt stage (`integration.stages.PAN2TextEncodingStage`) calls it as PAN2's sampler does.
+and PAN2's prompt stage (`fastvideo_integration.stages.PAN2TextEncodingStage`) calls it as PAN2's sampler does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fastvideo_pan2_ext.integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import adapter
 from fastvideo_pan2_ext.model.architecture import TEXT_ENCODER_CLASS_NAME
 
 

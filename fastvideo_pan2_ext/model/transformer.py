@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastvideo_pan2_ext.integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import adapter
 from fastvideo_pan2_ext.model.architecture import (LAYER_NORM_EPS, TEXT_RMS_EPS, TIMESTEP_CHANNELS,
                                                    PAN2TransformerConfig, latent_grid)
 from fastvideo_pan2_ext.model.dit_config import PAN2DiTConfig

@@ -45,9 +45,9 @@ def _inject_pause(module) -> None:
 
 TARGETS = {}
 if FAULT_PROMPT:
-    TARGETS["fastvideo_pan2_ext.integration.stages"] = _inject_decode_oom
+    TARGETS["fastvideo_pan2_ext.fastvideo_integration.stages"] = _inject_decode_oom
 if PAUSE_PROMPT:
-    TARGETS["fastvideo_pan2_ext.integration.streamed_save"] = _inject_pause
+    TARGETS["fastvideo_pan2_ext.fastvideo_integration.streamed_save"] = _inject_pause
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

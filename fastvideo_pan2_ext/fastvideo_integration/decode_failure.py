@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fastvideo_pan2_ext import latents_file
+from fastvideo_pan2_ext.media import latents_file
 
 from . import fast_decode
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.vae import DecoderOutput
 
-from fastvideo_pan2_ext import diffusers_route
-from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
+from fastvideo_pan2_ext.diffusers_integration import route
+from fastvideo_pan2_ext.diffusers_integration.route import tile_rows_of, wan_vae_of
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.distributed.bands import comm_device
@@ -47,7 +47,7 @@ def _diffusers_would_tile(vae: AutoencoderKLWan, z: torch.Tensor) -> bool:
     return z.shape[-1] > vae.tile_sample_min_width // ratio or z.shape[-2] > vae.tile_sample_min_height // ratio
 
 
-class FastDecode(diffusers_route.Route):
+class FastDecode(route.Route):
     """The VAE's `decode` by `WanVAEDecoder` (its prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`,
     `follow_vae`)."""
 
@@ -107,17 +107,17 @@ def enable_fast_decode(target, *, pg=None, **options) -> None:
     conv_algorithm; a ValueError names a bad one), `pg` a process group whose ranks split each decode's rows. Calling
     it again replaces the options."""
     wan_vae_of(target)
-    diffusers_route.enable(target, FastDecode, diffusers_route.check_group(decoder_options.check(options), pg,
+    route.enable(target, FastDecode, route.check_group(decoder_options.check(options), pg,
                                                                           "decode"), pg)
 
 
 def disable_fast_decode(target) -> None:
     """Restore diffusers' own decode on `target`'s Wan VAE (nothing to do when the fast decoder is not enabled)."""
-    diffusers_route.disable(target, FastDecode)
+    route.disable(target, FastDecode)
 
 
 def is_fast_decode_enabled(target) -> bool:
-    return diffusers_route.is_enabled(target, FastDecode)
+    return route.is_enabled(target, FastDecode)
 
 
 unsupported_reason = FastDecode.unsupported_reason  # why the fast decoder cannot decode a VAE, or None

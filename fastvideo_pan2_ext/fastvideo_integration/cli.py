@@ -32,10 +32,10 @@ from typing import NoReturn
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import (PAN2_FIELDS, PAN2_PRESET, PIPELINE_CLASS_NAME, PAN2PipelineConfig,
                                              check_frame_count, check_videos_per_request)
-from fastvideo_pan2_ext.image import check_size, cover_size, load_image
+from fastvideo_pan2_ext.media.image import check_size, cover_size, load_image
 from fastvideo_pan2_ext.model import memory
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
-from fastvideo_pan2_ext.video_io import check_writable
+from fastvideo_pan2_ext.media.video_io import check_writable
 
 from . import adapter, decode_failure, fast_decode, fast_encode, memory_check, streamed_save
 from .checkpoint import check_pan2_checkpoint

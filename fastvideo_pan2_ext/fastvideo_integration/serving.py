@@ -48,8 +48,8 @@ from pathlib import Path
 from fastvideo_pan2_ext.attention import apply_fa4_policy
 from fastvideo_pan2_ext.configs.pan2 import DEFAULT_FPS, DEFAULT_HEIGHT, DEFAULT_NUM_FRAMES, DEFAULT_WIDTH, \
     PAN2PipelineConfig, check_frame_count
-from fastvideo_pan2_ext.image import check_size, cover_size, load_image
-from fastvideo_pan2_ext.video_io import check_writable, open_folder, open_written, remove_video
+from fastvideo_pan2_ext.media.image import check_size, cover_size, load_image
+from fastvideo_pan2_ext.media.video_io import check_writable, open_folder, open_written, remove_video
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
 from . import adapter, cancel, cli, decode_failure, http_limits, request_failure, streamed_save

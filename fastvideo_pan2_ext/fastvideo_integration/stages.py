@@ -1,7 +1,7 @@
 """PAN2's pipeline stages in FastVideo (docs/design.md, "PAN2's sampler"); `reference.py` defines their results.
 
 - `PAN2InputStage`: FastVideo's input validation and seeding; the first frame read as PAN2 reads it (the stored
-  pixels, no EXIF transpose; cover-resize and centre crop to the requested canvas: `fastvideo_pan2_ext.image`).
+  pixels, no EXIF transpose; cover-resize and centre crop to the requested canvas: `fastvideo_pan2_ext.media.image`).
 - `PAN2TextEncodingStage`: Qwen3.5 through PAN2's chat template (system message, generation prompt), the tokens after
   the user header (at most 1536), `hidden_states[-3]`, no padding; the negative prompt alike when guidance is on.
 - `PAN2LatentPreparationStage`: the noise FastVideo draws for a seed, in fp32 (PAN2's latents stay fp32).
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastvideo_pan2_ext.image import ImageInputError, check_size, first_frame_from_image, load_image
+from fastvideo_pan2_ext.media.image import ImageInputError, check_size, first_frame_from_image, load_image
 from fastvideo_pan2_ext.model.architecture import LATENT_CHANNELS
 
 from . import adapter, cancel, decode_failure, fast_decode, kept_latents, streamed_save

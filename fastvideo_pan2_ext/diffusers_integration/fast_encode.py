@@ -17,11 +17,11 @@ What stays diffusers':
 
 diffusers' switches keep their meaning: `enable_slicing()` encodes the batch one element after another (the same
 moments); `enable_tiling()` encodes in exact two-phase tiles of diffusers' encode tile height in latent rows
-(`tile_sample_min_height` patchified rows: `diffusers_route.tile_rows_of`) where diffusers would tile (the same
+(`tile_sample_min_height` patchified rows: `route.tile_rows_of`) where diffusers would tile (the same
 moments as untiled, no seams), unless the options set `tile_rows` or `max_memory`, which always apply. With `pg` (a
 process group of several ranks, every rank calling the pipeline with the same video) the ranks split the rows of each
 encode and every rank gets the moments (`WanVAEEncoder`'s bands), so every rank samples the same latents from the same
-generator. Copies keep the switch as the decoder's do (`diffusers_route.Route`).
+generator. Copies keep the switch as the decoder's do (`route.Route`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
-from fastvideo_pan2_ext import diffusers_route
-from fastvideo_pan2_ext.diffusers_route import tile_rows_of, wan_vae_of
+from fastvideo_pan2_ext.diffusers_integration import route
+from fastvideo_pan2_ext.diffusers_integration.route import tile_rows_of, wan_vae_of
 from fastvideo_pan2_ext.vae_kernel import options as options_mod
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
 from fastvideo_pan2_ext.vae_kernel.portable import weights
@@ -47,7 +47,7 @@ def _diffusers_would_tile(vae: AutoencoderKLWan, video: torch.Tensor) -> bool:
         vae.tile_sample_min_height
 
 
-class FastEncode(diffusers_route.Route):
+class FastEncode(route.Route):
     """The VAE's `encode` by `WanVAEEncoder` (made from the VAE, it takes any change of the VAE's weights at each
     encode; made again when the VAE is on another device)."""
 
@@ -96,17 +96,17 @@ def enable_fast_encode(target, *, pg=None, **options) -> None:
     precision, reuse_steady; a ValueError names a bad one), `pg` a process group whose ranks split each encode's
     rows. Calling it again replaces the options."""
     wan_vae_of(target)
-    diffusers_route.enable(target, FastEncode, diffusers_route.check_group(options_mod.check(options, part="encode"),
+    route.enable(target, FastEncode, route.check_group(options_mod.check(options, part="encode"),
                                                                           pg, "encode"), pg)
 
 
 def disable_fast_encode(target) -> None:
     """Restore diffusers' own encode on `target`'s Wan VAE (nothing to do when the fast encoder is not enabled)."""
-    diffusers_route.disable(target, FastEncode)
+    route.disable(target, FastEncode)
 
 
 def is_fast_encode_enabled(target) -> bool:
-    return diffusers_route.is_enabled(target, FastEncode)
+    return route.is_enabled(target, FastEncode)
 
 
 unsupported_reason = FastEncode.unsupported_reason  # why the fast encoder cannot encode a VAE, or None

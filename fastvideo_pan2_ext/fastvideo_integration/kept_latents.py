@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from fastvideo_pan2_ext import latents_file
+from fastvideo_pan2_ext.media import latents_file
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel.errors import first_line

@@ -775,7 +775,7 @@ def _in_uploads(target_path: str) -> str:
 async def _save_upload(upload, path: str) -> str:
     """FastVideo's save of an uploaded file, but copied in chunks (FastVideo reads it whole into memory) into a file
     created exclusively, never through a link, in a folder below output_dir reached without one."""
-    from fastvideo_pan2_ext.video_io import open_folder
+    from fastvideo_pan2_ext.media.video_io import open_folder
 
     folder = open_folder(os.path.dirname(path), served_output_dir())
     try:
@@ -1093,7 +1093,7 @@ def close_cpu_gaps() -> bool:
     torch.autocast = autocast
     torch.cuda.synchronize = lambda device=None: None
     on_fastvideo_args(use_cpu_settings, "after")
-    logger.info("fastvideo_pan2_ext: no GPU; FastVideo set up to run on CPU (fastvideo_pan2_ext.integration.adapter)")
+    logger.info("fastvideo_pan2_ext: no GPU; FastVideo set up to run on CPU (fastvideo_pan2_ext.fastvideo_integration.adapter)")
     return True
 
 

@@ -42,7 +42,7 @@ import torch
 
 from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_count, check_videos_per_request
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
-from fastvideo_pan2_ext.video_io import PartialFile, mp4_size, write_grid_stream
+from fastvideo_pan2_ext.media.video_io import PartialFile, mp4_size, write_grid_stream
 
 from . import adapter, cancel, decode_failure, fast_decode, memory_check, request_failure
 
