@@ -250,9 +250,12 @@ def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(mac
     _check_wan21_steps(report)
     _check_encode(report["encode"], sizes["encode"])
     _check_encode_bands(report["encode_bands"], sizes["encode"])
+    _check_pan2_options(report["pan2_options"], sizes["pan2_options"])
     _check_pipeline(report["pipeline"], sizes["pipeline"])
     _no_fallbacks_anywhere(report)
     assert report["summary"]["compiled_ok"] is True and report["summary"]["pipeline_ok"] is True
+    assert report["summary"]["pan2_options_ok"] is True
+    assert list(report).index("pan2_options") < list(report).index("pipeline")
 
 
 def _check_winograd_bench(report: dict) -> None:
@@ -317,6 +320,55 @@ def _check_encode_bands(result: dict, size: list) -> None:
         assert entry["bit_identical"] and entry["ranks_agree"] and entry["reuse_as_one_rank"], entry
         assert entry["max_abs_diff"] == 0 and all(s > 0 for s in entry["rank_seconds"]) and entry["ok"]
     assert result["ok"] is True
+
+
+def _check_pan2_options(result: dict, size: list) -> None:
+    """FastVideo's VideoGenerator (from the bundle's wheels) on the tiny checkpoint, image-to-video with guidance, one
+    process per run, in turn: each run's final latents and frames held to its reference run's. On this CPU the
+    adapter turns the three offloads off (recorded so: asked for, off in the worker, the plain run's numbers bit for
+    bit); FSDP runs over one gloo rank (every DiT parameter a DTensor, bf16) and gives the plain bf16 run's latents;
+    FSDP's bf16 gather against the fp32 run is a few percent (docs/design.md, "The transformer")."""
+    height, width, frames, steps = size
+    assert result["ok"] is True, result
+    assert "site-packages" in result["fastvideo"] and result["together"] == 1 and result["rounding"] == 1e-5
+    assert result["request"] == {"prompt": "a fox", "negative_prompt": "blurry", "guidance_scale": 3.0, "seed": 5,
+                                 "height": height, "width": width, "num_frames": frames,
+                                 "num_inference_steps": steps, "image": "demo.pan2.SAMPLE_IMAGE"}
+    options = result["options"]
+    offloads = ("dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload")
+    assert list(options) == ["plain", *offloads, "plain_bf16", "use_fsdp_inference"]
+    flags = ("dit_cpu_offload", *offloads, "use_fsdp_inference")
+    for name, entry in options.items():
+        assert entry["ok"] is True, (name, entry)
+        assert entry["latents_shape"] == [1, 48, (frames - 1) // 4 + 1, height // 16, width // 16]
+        assert entry["seconds"] > entry["load_s"] + entry["generate_s"] and entry["generate_s"] > 0
+        worker = entry["worker"]
+        assert worker["device"] == "cpu" and worker["args"]["pin_cpu_memory"] is False
+        assert {flag: worker["args"][flag] for flag in flags} == {flag: flag == name == "use_fsdp_inference"
+                                                                  for flag in flags}, name
+        dit = worker["transformer"]
+        assert dit["module_lists"] == {"transformer_blocks": {"blocks": 2, "offload_hooked": 0, "device_bytes": 0},
+                                       "context_refiner": {"blocks": 1, "offload_hooked": 0, "device_bytes": 0}}
+        assert dit["dtypes"] == ["bfloat16" if entry["dit_precision"] == "bf16" else "float32"]
+        assert worker["text_encoder"]["dtypes"] == worker["vae"]["dtypes"] == ["float32"]
+    for name in ("plain", "plain_bf16"):
+        entry = options[name]
+        assert entry["reference"] is None and entry["in_effect"] is True and "max_abs_diff" not in entry
+        assert entry["evidence"] == "options on: none"
+    for name in offloads:
+        entry = options[name]
+        assert entry["reference"] == "plain" and entry["in_effect"] is False and entry["off_without_gpu"] is True
+        assert entry["evidence"].startswith(f"the worker's FastVideoArgs have {name}=False (the adapter turns")
+        assert entry["bit_identical"] and entry["max_abs_diff"] == entry["max_rel_diff"] == 0
+        assert entry["frames_max_diff"] == 0 and entry["reference_max_abs"] > 0.5
+    fsdp = options["use_fsdp_inference"]
+    assert fsdp["reference"] == "plain_bf16" and fsdp["in_effect"] is True and "off_without_gpu" not in fsdp
+    dit = fsdp["worker"]["transformer"]
+    assert dit["dtensor_parameters"] == dit["parameters"] > 0 and dit["fsdp_meshes"] == [[1, 1]]
+    assert fsdp["evidence"] == f"{dit['parameters']} of {dit['parameters']} DiT parameters FSDP DTensors on meshes " \
+                               "[[1, 1]]"
+    assert fsdp["max_rel_diff"] <= 1e-5 and fsdp["frames_max_diff"] <= 1
+    assert 1e-3 < fsdp["max_rel_diff_vs_plain_fp32"] < 0.1  # bf16's numbers, not fp32's
 
 
 def _check_pipeline(result: dict, size: list) -> None:

@@ -28,8 +28,18 @@ Part 2 (`--part 2`): the rest.
   and bf16 encodes: time, peak memory, the allowance of mean and logvar, the steady reuse on and off, bf16 on the
   portable and the compiled table; its row bands on two gloo ranks sharing the GPU against one rank;
 - T = 31; the Wan2.1 VAE at 480x832 and 720x1280, 81 frames;
+- `pan2_options`, what only a GPU runs of PAN2 in FastVideo: the tiny checkpoint through `VideoGenerator` (image to
+  video, guidance 3.0, 2 steps, `return_trajectory_latents`) once plain and once with each of `dit_layerwise_offload`,
+  `text_encoder_cpu_offload`, `vae_cpu_offload` (the DiT in fp32) and `use_fsdp_inference` on one GPU over NCCL (held
+  to a plain bf16 run: FastVideo 0.2.1 gathers an FSDP DiT in bf16), each run a process of its own (the six start
+  together on a GPU, in turn in a dry run): per run the final latents' max |d| from its reference run (absolute and
+  relative to the reference's largest value), the frames', whether the option was in effect in FastVideo's worker
+  (its own FastVideoArgs after the device policy; the DiT's blocks hooked by the layer-wise offload and emptied, the
+  text encoder and VAE back on the CPU, the DiT's FSDP DTensors), seconds, `ok` (in effect, latents equal to fp32
+  rounding); in a dry run the offloads are off (the adapter turns them off without a GPU) and recorded so;
 - last, with its time reserved from the start: the PAN2 pipeline end to end in FastVideo on the tiny checkpoint, the
   fast decoder on, the mp4 streamed while decoding (`python -m fastvideo_pan2_ext.demo`).
+The two FastVideo steps are skipped, with the reason, where FastVideo does not import.
 
 Every step runs in a child process of its own (a new process group) under a hard time limit: the smaller of its own
 cap and what is left of `--deadline`; at the limit the group is killed and the step recorded as timed out, so the run
@@ -48,6 +58,7 @@ die, to prove the isolation. The dry run is single-threaded (`single_threaded_cp
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -98,16 +109,17 @@ CONFIGS = {"wan22": (WAN22_CONFIG, narrow(WAN22_CONFIG, 8, z_dim=8)), "wan21": (
 # (latent rows, cols); correctness T (whole fp32 oracle); timing T (the largest is part 1's, audited on its first
 # `oracle_frames` latent frames); memory T and frames_per_pass; the Wan2.1 VAE's video sizes and T (21: 81 frames);
 # the coverage step's sub-pixel conv (channels, frames, rows, cols of its input: 20 frames of the 512-channel one at
-# 704x1248 write 2.25e9 > 2^31 elements), the pipeline's video (height, width, frames, steps) and the PAN2 block's
+# 704x1248 write 2.25e9 > 2^31 elements), the pipeline's video (height, width, frames, steps), the PAN2 block's
 # request (frames, height, width, text tokens: PAN2's default video, the most text it conditions on; the dry run's
-# block is the tiny checkpoint's).
+# block is the tiny checkpoint's) and the PAN2 options' request (height, width, frames, steps; the tiny checkpoint).
 FULL = dict(latent_hw=(44, 78), correctness_t=(2, 8), timing_t=(49, 31), oracle_frames=3, memory_t=9,
             memory_fpp=(1, 2, 4, "auto"), wan21_hw=((480, 832), (720, 1280)), wan21_t=21,
             big_subpixel=(512, 20, 176, 312), pipeline=(256, 384, 17, 2), encode=(81, 480, 832, 96),
-            pan2_block=(241, 704, 1248, Request(704, 1248, 241).text_tokens))
+            pan2_block=(241, 704, 1248, Request(704, 1248, 241).text_tokens), pan2_options=(256, 384, 17, 2))
 DRY = dict(latent_hw=(3, 4), correctness_t=(2, 3), timing_t=(4, 3), oracle_frames=2, memory_t=5,
            memory_fpp=(1, 2, 4, "auto"), wan21_hw=((16, 24), (24, 32)), wan21_t=3,
-           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1), encode=(13, 16, 24, 8), pan2_block=(9, 64, 96, 8))
+           big_subpixel=(8, 3, 12, 16), pipeline=(64, 96, 9, 1), encode=(13, 16, 24, 8), pan2_block=(9, 64, 96, 8),
+           pan2_options=(64, 96, 9, 2))
 # Dominant conv shapes of the real decoder at 704x1248 (Ci, Co, kernel, latent-relative scale) and the sub-pixel convs.
 BENCH_CONVS = [(1024, 1024, (3, 3, 3), 2), (1024, 512, (3, 3, 3), 4), (512, 512, (3, 3, 3), 4),
                (512, 256, (3, 3, 3), 8), (256, 256, (3, 3, 3), 8)]
@@ -119,6 +131,7 @@ TAG = "GPU_CHECK_CHILD "
 DEFAULT_DEADLINES = {1: 340.0, 2: 420.0}  # seconds; each inside one 600 s device command with room to spare
 PIPELINE = "pipeline"
 PAN2_BLOCK = "pan2_block"
+PAN2_OPTIONS = "pan2_options"
 PAN2_STEPS = 50  # PAN2's default sampler steps (configs.pan2), each two forwards (guidance)
 # The founding figure: PAN2 on one B300, 241 frames at 704x1248, 50 steps, the whole run (text, denoise, decode).
 FOUNDING_B300_S = {"fa4": 288, "sdpa": 670}
@@ -160,7 +173,7 @@ class Context:
 
     def __init__(self, dry_run: bool, stand_in: str, scratch: Path, frames_per_pass: int | str,
                  layout: str = "wan22", video_hw: tuple[int, int] | None = None) -> None:
-        self.dry_run = dry_run
+        self.dry_run, self.stand_in = dry_run, stand_in
         self.device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
         self.layout = layout
         self.config = CONFIGS[layout][dry_run]
@@ -872,6 +885,234 @@ def pan2_block(ctx: Context, repeats: int = 3) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------------------- FastVideo
+
+
+def fastvideo_here(ctx: Context, timeout: float) -> tuple[str | None, dict | None]:
+    """(where FastVideo is, None), or (None, the step's skip record) where FastVideo or the PAN2 plugin does not
+    import (a process of its own: importing FastVideo here would change this one)."""
+    probe = subprocess.run([sys.executable, "-c", "import fastvideo, fastvideo_pan2_ext; print(fastvideo.__file__)"],
+                           capture_output=True, text=True, timeout=min(timeout, 300), cwd=ctx.scratch)
+    if probe.returncode != 0:
+        return None, {"skipped": "FastVideo or the PAN2 plugin does not import here (part 2 installs the bundle's "
+                                 f"wheels; see docs/gpu-check.md): {probe.stderr.strip().splitlines()[-1:]}"}
+    return probe.stdout.strip().splitlines()[-1], None
+
+
+def tiny_checkpoint(ctx: Context) -> Path:
+    """The demo's tiny public-layout PAN2 checkpoint, made once per run in the scratch folder (the `pipeline` step's
+    demo finds it there too)."""
+    from fastvideo_pan2_ext.demo.pan2 import ensure_tiny_checkpoint  # noqa: PLC0415
+
+    return ensure_tiny_checkpoint(ctx.scratch / "tiny-checkpoint")[0]
+
+
+# --------------------------------------------------------------------------------------------------- PAN2's options
+
+# The runs of `pan2_options`, each FastVideo's VideoGenerator in a process of its own: (name, dit_precision, the run
+# its final latents are held to). Every run sets all four of FastVideo's options the plan decides (FastVideo 0.2.1's
+# defaults turn every offload on) and FSDP's: off but its own. FastVideo 0.2.1's FSDP inference all-gathers the
+# DiT's weights in bf16 whatever dit_precision says (`TransformerLoader`: `param_dtype=torch.bfloat16`), so FSDP is
+# held to a plain bf16 run; the rest compute in fp32 and are held to the plain fp32 run.
+OPTION_RUNS = (("plain", "fp32", None), ("dit_layerwise_offload", "fp32", "plain"),
+               ("text_encoder_cpu_offload", "fp32", "plain"), ("vae_cpu_offload", "fp32", "plain"),
+               ("plain_bf16", "bf16", None), ("use_fsdp_inference", "bf16", "plain_bf16"))
+OPTION_FLAGS = ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload",
+                "use_fsdp_inference")
+# What the adapter turns off on a GPU-less machine (`integration.adapter.CPU_OFFLOAD_FLAGS`: FastVideo's offloads
+# need CUDA), so a dry run records them off; FSDP2 runs there over gloo.
+OFF_WITHOUT_GPU = ("dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload")
+# The request (tests/test_pan2_parallel.py's): image-to-video, so the VAE's encode of the first frame is in the
+# latents (vae_cpu_offload moves the VAE for it), with a negative prompt at guidance 3.0 (two forwards a step).
+OPTION_REQUEST = {"prompt": "a fox", "negative_prompt": "blurry", "guidance_scale": 3.0, "seed": 5}
+# The latents are fp32 through the sampler: equal "to fp32 rounding" is max|d| <= this x max|reference|, as
+# tests/test_pan2_parallel.py holds several ranks to one.
+OPTION_ROUNDING = 1e-5
+
+
+def option_engine(name: str) -> dict:
+    """FastVideo's `engine` section of run `name`: one GPU, every offload off but the one named, FSDP likewise."""
+    return {"num_gpus": 1, "use_fsdp_inference": name == "use_fsdp_inference",
+            "offload": {"dit": False, "dit_layerwise": name == "dit_layerwise_offload",
+                        "text_encoder": name == "text_encoder_cpu_offload", "vae": name == "vae_cpu_offload"}}
+
+
+def _worker_state(wrapper) -> dict:
+    """Run in FastVideo's worker after the request (sent there by value through `collective_rpc`): the options as the
+    worker's own FastVideoArgs have them after its device policy (FastVideo's conflicts and unified memory, our
+    adapter's CPU settings), and where each component's weights are: devices, bytes on an accelerator, the DiT's
+    blocks hooked by FastVideo's layer-wise offload, its parameters that are FSDP's DTensors."""
+    import torch  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    worker = wrapper.worker
+    args, pipeline = worker.fastvideo_args, worker.pipeline
+
+    def where(params) -> dict:
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        return {"devices": sorted({str(t.device) for t in local}),
+                "device_bytes": sum(t.numel() * t.element_size() for t in local if t.device.type != "cpu"),
+                "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in local})}
+
+    def hooked(block) -> bool:
+        return "LayerwiseOffloadHook" in getattr(getattr(block, "_hook_manager", None), "forward_hooks", {})
+
+    dit = pipeline.get_module("transformer")
+    params = list(dit.parameters())
+    lists = {name: child for name, child in dit.named_children() if isinstance(child, torch.nn.ModuleList)}
+    meshes = {tuple(p.device_mesh.mesh.shape) for p in params if isinstance(p, DTensor)}
+    return {"args": {flag: bool(getattr(args, flag, False)) for flag in
+                     ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload",
+                      "use_fsdp_inference", "pin_cpu_memory")},
+            "device": str(worker.device),
+            "transformer": where(params) | {
+                "parameters": len(params), "dtensor_parameters": sum(isinstance(p, DTensor) for p in params),
+                "fsdp_meshes": [list(m) for m in sorted(meshes)],
+                "module_lists": {name: {"blocks": len(blocks), "offload_hooked": sum(map(hooked, blocks)),
+                                        "device_bytes": where(blocks.parameters())["device_bytes"]}
+                                 for name, blocks in lists.items()}},
+            "text_encoder": where(pipeline.get_module("text_encoder").parameters()),
+            "vae": where(pipeline.get_module("vae").parameters())}
+
+
+def pan2_option_run(ctx: Context, name: str, precision: str, checkpoint: str, out: str) -> dict:
+    """One run of `pan2_options` (its own process): the tiny checkpoint through FastVideo's `VideoGenerator` as a
+    user makes one (`from_config`, the demo's way), run `name`'s options, the DiT in `precision`; the final latents
+    (`return_trajectory_latents`) and the frames saved to `out`; the worker's state after the request."""
+    import cloudpickle  # noqa: PLC0415 - FastVideo's own dependency (its RPC sends functions so)
+    import numpy as np  # noqa: PLC0415
+
+    from fastvideo_pan2_ext.configs import PAN2PipelineConfig  # noqa: PLC0415
+    from fastvideo_pan2_ext.demo.pan2 import SAMPLE_IMAGE  # noqa: PLC0415
+    from fastvideo_pan2_ext.integration import adapter  # noqa: PLC0415
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is local; the GPU machine has no network
+    height, width, frames, steps = ctx.sizes[PAN2_OPTIONS]
+    # The DiT in `precision`, the text encoder and both VAE passes in fp32.
+    config = PAN2PipelineConfig(dit_precision=precision, text_encoder_precisions=("fp32",), vae_decode_precision="fp32")
+    start = time.perf_counter()
+    generator = adapter.symbol("VideoGenerator").from_config({
+        "model_path": checkpoint, "engine": option_engine(name),
+        "pipeline": {"experimental": {"pipeline_config": config}}})
+    loaded = time.perf_counter()
+    try:
+        result = generator.generate({
+            "prompt": OPTION_REQUEST["prompt"], "negative_prompt": OPTION_REQUEST["negative_prompt"],
+            "inputs": {"image_path": str(SAMPLE_IMAGE)},
+            "sampling": {"height": height, "width": width, "num_frames": frames, "num_inference_steps": steps,
+                         "guidance_scale": OPTION_REQUEST["guidance_scale"], "seed": OPTION_REQUEST["seed"]},
+            "runtime": {"return_trajectory_latents": True},
+            "output": {"output_path": str(Path(out).parent), "save_video": False, "return_frames": True}})
+        generated = time.perf_counter()
+        [state] = generator.executor.collective_rpc(cloudpickle.dumps(_worker_state))
+    finally:
+        generator.shutdown()
+    latents = result.trajectory[:, -1].float().cpu()  # [batch, steps, C, T', h, w]: after the last step
+    torch.save({"latents": latents, "frames": torch.from_numpy(np.stack(result.frames))}, out)
+    return {"dit_precision": precision, "load_s": round(loaded - start, 2), "generate_s": round(generated - loaded, 2),
+            "peak_memory_mb": result.peak_memory_mb, "latents_shape": list(latents.shape), "file": out,
+            "worker": state}
+
+
+def option_in_effect(name: str, worker: dict, dry_run: bool) -> tuple[bool, str]:
+    """Whether run `name`'s option was in effect in FastVideo's worker (a plain run: that none was, and on a GPU
+    every component's weights on it), and the evidence in words."""
+    args, dit = worker["args"], worker["transformer"]
+    if name.startswith("plain"):
+        on = [flag for flag in OPTION_FLAGS if args.get(flag)]
+        parked = [] if dry_run else [part for part in ("transformer", "text_encoder", "vae")
+                                     if worker[part]["device_bytes"] == 0]
+        where = "" if dry_run else f"; components with no weights on {worker['device']}: {parked or 'none'}"
+        return not on and not parked, f"options on: {on or 'none'}{where}"
+    if not args.get(name):
+        cpu = dry_run and name in OFF_WITHOUT_GPU
+        why = (" (the adapter turns FastVideo's offloads off on a GPU-less machine: "
+               "fastvideo_pan2_ext.integration.adapter.CPU_OFFLOAD_FLAGS)") if cpu else ""
+        return False, f"the worker's FastVideoArgs have {name}=False{why}"
+    if name == "dit_layerwise_offload":
+        [(first, joint), *rest] = dit["module_lists"].items()  # FastVideo hooks the first ModuleList only
+        others = sum(blocks["offload_hooked"] for _, blocks in rest)
+        words = (f"{joint['offload_hooked']} of {joint['blocks']} {first} hooked by FastVideo's "
+                 f"LayerwiseOffloadHook, {others} of the other blocks; {joint['device_bytes']} bytes of {first} "
+                 "on the device after the run")
+        return joint["offload_hooked"] == joint["blocks"] > 0 and others == 0 and joint["device_bytes"] == 0, words
+    if name in ("text_encoder_cpu_offload", "vae_cpu_offload"):
+        part = worker[name.split("_cpu_")[0]]
+        return part["devices"] == ["cpu"], f"its weights after the run on {part['devices']}"
+    words = (f"{dit['dtensor_parameters']} of {dit['parameters']} DiT parameters FSDP DTensors on meshes "
+             f"{dit['fsdp_meshes']}")
+    return dit["dtensor_parameters"] > 0, words  # use_fsdp_inference
+
+
+def pan2_options(ctx: Context, timeout: float) -> dict:
+    """What only a GPU runs of PAN2 in FastVideo: the tiny checkpoint through `VideoGenerator` once plain and once
+    with each of `dit_layerwise_offload`, `text_encoder_cpu_offload`, `vae_cpu_offload` (the DiT in fp32) and
+    `use_fsdp_inference` on one GPU over NCCL (held to a plain bf16 run: see `OPTION_RUNS`), each in a process of its
+    own (FastVideo keeps global state; `run_child`), the same request and seed. Per run: the largest difference of
+    its final latents from its reference run's (absolute, relative to the reference's largest value), the frames'
+    (8-bit levels), whether the option was in effect in FastVideo's worker (`option_in_effect`), seconds; `ok`: in
+    effect and the latents equal to fp32 rounding. On a GPU the runs start together (16 cores: their time is
+    FastVideo's start), in a dry run one after another; there the offloads are off (FastVideo's offloads need CUDA)
+    and recorded so, FSDP runs over gloo. Skipped, with the reason, where FastVideo does not import."""
+    end = time.monotonic() + timeout - 10  # what is left for the runs: their results reach the report
+    where, skipped = fastvideo_here(ctx, timeout)
+    if skipped:
+        return skipped
+    checkpoint = str(tiny_checkpoint(ctx))
+    folder = ctx.scratch / PAN2_OPTIONS
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    child = argparse.Namespace(scratch=ctx.scratch, frames_per_pass=ctx.frames_per_pass, dry_run=ctx.dry_run,
+                               stand_in=ctx.stand_in)
+
+    def launch(run) -> dict:
+        name, precision, _ = run
+        start = time.monotonic()
+        result = run_child(child, "pan2_option", max(end - time.monotonic(), 1.0),
+                           {"name": name, "precision": precision, "checkpoint": checkpoint,
+                            "out": str(folder / f"{name}.pt")})
+        return result | {"seconds": round(time.monotonic() - start, 1)}
+
+    together = 1 if ctx.dry_run else len(OPTION_RUNS)
+    with concurrent.futures.ThreadPoolExecutor(together) as pool:
+        runs = dict(zip((run[0] for run in OPTION_RUNS), pool.map(launch, OPTION_RUNS)))
+    height, width, frames, steps = ctx.sizes[PAN2_OPTIONS]
+    out: dict = {"fastvideo": where, "checkpoint": checkpoint, "together": together, "rounding": OPTION_ROUNDING,
+                 "request": OPTION_REQUEST | {"height": height, "width": width, "num_frames": frames,
+                                              "num_inference_steps": steps, "image": "demo.pan2.SAMPLE_IMAGE"},
+                 "options": {}}
+    saved = {name: torch.load(run["file"]) for name, run in runs.items() if "file" in run}
+    for name, _, held_to in OPTION_RUNS:
+        entry = runs[name] | {"reference": held_to}
+        if "file" not in entry:  # its error, or timed out: not ok
+            out["options"][name] = entry | {"ok": False}
+            continue
+        entry["in_effect"], entry["evidence"] = option_in_effect(name, entry["worker"], ctx.dry_run)
+        if held_to is None:
+            entry["ok"] = entry["in_effect"]
+        elif held_to not in saved:
+            entry["ok"] = False
+        else:
+            got, ref = saved[name], saved[held_to]
+            scale = float(ref["latents"].abs().max())
+            diff = float((got["latents"] - ref["latents"]).abs().max())
+            entry |= {"max_abs_diff": diff, "max_rel_diff": diff / scale, "reference_max_abs": scale,
+                      "bit_identical": bool(torch.equal(got["latents"], ref["latents"])),
+                      "frames_max_diff": int((got["frames"].int() - ref["frames"].int()).abs().max())}
+            # Off on a CPU (the adapter turns FastVideo's offloads off there): the dry run rehearses the code path.
+            if ctx.dry_run and name in OFF_WITHOUT_GPU and not entry["worker"]["args"][name]:
+                entry["off_without_gpu"] = True
+            effect = entry["in_effect"] or entry.get("off_without_gpu", False)
+            entry["ok"] = effect and diff <= OPTION_ROUNDING * scale
+        out["options"][name] = entry
+    if {"plain", "use_fsdp_inference"} <= saved.keys():  # what FSDP's bf16 gather costs against fp32 (no verdict)
+        fp32, fsdp = saved["plain"]["latents"], saved["use_fsdp_inference"]["latents"]
+        out["options"]["use_fsdp_inference"]["max_rel_diff_vs_plain_fp32"] = float(
+            (fsdp - fp32).abs().max() / fp32.abs().max())
+    out["ok"] = all(entry["ok"] for entry in out["options"].values())
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- the pipeline
 
 
@@ -879,11 +1120,9 @@ def pipeline(ctx: Context, timeout: float) -> dict:
     """The PAN2 pipeline in FastVideo, end to end on the tiny checkpoint, the fast decoder on (backend "auto": the
     compiled kernels on a GPU) and the mp4 written while decoding: `python -m fastvideo_pan2_ext.demo`, in a process
     of its own (FastVideo starts its worker from there). Skipped, with the reason, where FastVideo does not import."""
-    probe = subprocess.run([sys.executable, "-c", "import fastvideo, fastvideo_pan2_ext; print(fastvideo.__file__)"],
-                           capture_output=True, text=True, timeout=min(timeout, 300), cwd=ctx.scratch)
-    if probe.returncode != 0:
-        return {"skipped": "FastVideo or the PAN2 plugin does not import here (part 2 installs the bundle's wheels; "
-                           f"see docs/gpu-check.md): {probe.stderr.strip().splitlines()[-1:]}"}
+    where, skipped = fastvideo_here(ctx, timeout)
+    if skipped:
+        return skipped
     height, width, frames, steps = ctx.sizes["pipeline"]
     out = ctx.scratch / "pipeline"
     argv = [sys.executable, "-m", "fastvideo_pan2_ext.demo", "--out", str(out), "--height", str(height), "--width",
@@ -895,7 +1134,7 @@ def pipeline(ctx: Context, timeout: float) -> dict:
                           cwd=ctx.scratch, env=env)
     log = done.stdout + done.stderr
     result = {"argv": argv[1:], "seconds": round(time.monotonic() - start, 1), "exit_code": done.returncode,
-              "fastvideo": probe.stdout.strip().splitlines()[-1],
+              "fastvideo": where,
               "decoder_lines": [line.strip()[-300:] for line in log.splitlines()
                                 if "fast VAE decoder" in line or "PAN2 decode" in line or "decoder:" in line][:8]}
     video = out / "pan2_demo.mp4"
@@ -933,6 +1172,8 @@ CHILD_STEPS = {
     "winograd_conv_bench": lambda ctx, _: winograd_conv_bench(ctx),
     PIPELINE: lambda ctx, a: pipeline(ctx, a["timeout"]),
     PAN2_BLOCK: lambda ctx, _: pan2_block(ctx),
+    PAN2_OPTIONS: lambda ctx, a: pan2_options(ctx, a["timeout"]),
+    "pan2_option": lambda ctx, a: pan2_option_run(ctx, a["name"], a["precision"], a["checkpoint"], a["out"]),
 }
 
 
@@ -1079,6 +1320,8 @@ def part_steps(part: int, sizes: dict, with_diffusers: bool) -> list[Step]:
         out += [Step(f"compiled_wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["compiled"]}, (15, 10),
                      90, DIRECT),
                 Step(f"wan21_timing:{h}x{w}", "timing", wan21 | {"names": ["release_bf16"]}, (40, 15), 120)]
+    # FastVideo's offloads and FSDP on NCCL (six FastVideo processes; together on a GPU, in turn in a dry run)
+    out += [Step(PAN2_OPTIONS, PAN2_OPTIONS, {}, (60, 420), 120)]
     return out + [Step(PIPELINE, PIPELINE, {}, (60, 60), 150)]
 
 
@@ -1228,6 +1471,13 @@ def summary(data: dict, ctx: Context) -> dict:
                                   data.get(f"compiled_wan21_timing:{h}x{w}", {}), f"wan21 {h}x{w}"))
     if PIPELINE in data:
         out["pipeline_ok"] = data[PIPELINE].get("ok", False)
+    if PAN2_OPTIONS in data:
+        options = data[PAN2_OPTIONS]
+        out["pan2_options_ok"] = options.get("ok", False)
+        for name, entry in options.get("options", {}).items():
+            if "max_rel_diff" in entry:
+                out[f"pan2 {name} in effect, max rel diff"] = [entry["in_effect"],
+                                                               float(f"{entry['max_rel_diff']:.3g}")]
     for kernel, entry in data.get(PAN2_BLOCK, {}).get("kernels", {}).items():
         if "ms" in entry:
             out[f"pan2 block {kernel} ms"] = entry["ms"]
