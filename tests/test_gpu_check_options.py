@@ -51,8 +51,8 @@ def test_fsdp_is_held_to_a_plain_bf16_run_and_the_offloads_to_the_plain_fp32_one
 
 
 def _cpu_offload_flags() -> tuple[str, ...]:
-    """`integration.adapter.CPU_OFFLOAD_FLAGS`, read from its source (importing the adapter imports FastVideo)."""
-    tree = ast.parse((REPO / "fastvideo_pan2_ext" / "integration" / "adapter.py").read_text())
+    """`fastvideo_integration.adapter.CPU_OFFLOAD_FLAGS`, read from its source (importing the adapter imports FastVideo)."""
+    tree = ast.parse((REPO / "fastvideo_pan2_ext" / "fastvideo_integration" / "adapter.py").read_text())
     [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
                and [getattr(t, "id", None) for t in node.targets] == ["CPU_OFFLOAD_FLAGS"]]
     return ast.literal_eval(value)
