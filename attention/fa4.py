@@ -73,7 +73,7 @@ def check_env_value(value: str) -> None:
 
 
 def loaded_fa4_readers() -> list[str]:
-    from fastvideo_pan2_ext.fastvideo_integration.adapter import FA4_READERS  # noqa: PLC0415 - FastVideo's names: the seam
+    from fastvideo_pan2_ext.fastvideo_integration.compat.models import FA4_READERS  # noqa: PLC0415 - FastVideo's
 
     return [name for name in FA4_READERS if name in sys.modules]
 

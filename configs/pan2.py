@@ -14,7 +14,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 
-from fastvideo_pan2_ext.fastvideo_integration import adapter, fast_decode, fast_encode
+from fastvideo_pan2_ext.fastvideo_integration import compat, fast_decode, fast_encode
 from fastvideo_pan2_ext.model.dit_config import PAN2DiTConfig
 from fastvideo_pan2_ext.model.text_encoder import PAN2TextEncoderConfig
 from fastvideo_pan2_ext.names import MODEL_FAMILY, PIPELINE_CLASS_NAME, PRESET_NAME  # noqa: F401 (re-exported)
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PAN2PipelineConfig(adapter.symbol("PipelineConfig")):
+class PAN2PipelineConfig(compat.symbol("PipelineConfig")):
     """IFM/PAN2's components in FastVideo, and PAN2's decoder and encoder switches, each a view of its Wan VAE config
     (`PAN2_SWITCHES`):
 
@@ -69,9 +69,9 @@ class PAN2PipelineConfig(adapter.symbol("PipelineConfig")):
       unless vae_encode_kernel is on.
     """
 
-    dit_config: adapter.symbol("DiTConfig") = field(default_factory=PAN2DiTConfig)
+    dit_config: compat.symbol("DiTConfig") = field(default_factory=PAN2DiTConfig)
     dit_precision: str = "bf16"
-    vae_config: adapter.symbol("VAEConfig") = field(default_factory=adapter.symbol("WanVAEConfig"))
+    vae_config: compat.symbol("VAEConfig") = field(default_factory=compat.symbol("WanVAEConfig"))
     vae_precision: str = "fp32"
     vae_decode_precision: str = "bf16"
     vae_tiling: bool = False
@@ -164,7 +164,7 @@ def check_videos_per_request(num_videos_per_prompt) -> None:
 
 
 @dataclass
-class PAN2SamplingParam(adapter.symbol("SamplingParam")):
+class PAN2SamplingParam(compat.symbol("SamplingParam")):
     """PAN2's sampling defaults (the same values as the ``pan2`` preset)."""
 
     height: int = DEFAULT_HEIGHT
@@ -177,12 +177,12 @@ class PAN2SamplingParam(adapter.symbol("SamplingParam")):
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
 
 
-PAN2_PRESET = adapter.symbol("InferencePreset")(
+PAN2_PRESET = compat.symbol("InferencePreset")(
     name=PRESET_NAME,
     version=1,
     model_family=MODEL_FAMILY,
     description="PAN2 text- and image-to-video (IFM/PAN2), 704x1248 @ 24 fps, 241 frames",
-    stage_schemas=(adapter.symbol("PresetStageSpec")(name="denoise", kind="denoising", description="PAN2 denoising",
+    stage_schemas=(compat.symbol("PresetStageSpec")(name="denoise", kind="denoising", description="PAN2 denoising",
                                    allowed_overrides=frozenset({"num_inference_steps", "guidance_scale"})), ),
     defaults={
         "height": DEFAULT_HEIGHT,

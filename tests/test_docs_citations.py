@@ -1,5 +1,5 @@
 """Every citation in the repository names something that exists: a section of a document (docs/design.md,
-"Definitions": a heading of that title in that file), a file (tests/test_error_types.py, fastvideo_integration/adapter.py, with
+"Definitions": a heading of that title in that file), a file (tests/test_error_types.py, fastvideo_integration/uploads.py, with
 a `:LINE` not past its end) and a module path in backquotes (`vae_kernel.definitions.precision.exact_fp32`,
 `memory.MemoryPlanner.retry_plan`). Read from the text alone: nothing is imported or run.
 
@@ -10,7 +10,7 @@ the other ignored folders; not this file, whose examples are planted mistakes):
   (each line's indentation and comment marker are dropped). The document has a markdown heading whose text is the
   title, or the title and a trailing parenthesis (`## The encoder (`vae_kernel.encoder`, ...)` answers "The encoder").
 - a file: a path whose first folder is one at the repository's root (`tools/`, `bench/`, ...) or a folder of the tree
-  (fastvideo_integration/adapter.py: some `integration/` folder holds adapter.py), or, in a document, a path from `../`; the
+  (fastvideo_integration/compat/seams.py: some `fastvideo_integration/` folder holds compat/seams.py), or, in a document, a path from `../`; the
   file exists, and a `:LINE` after it is at most its line count. Placeholders (`<date>`, `*`, `X.json`, `DATE`) are
   not citations. A bare `name.py:LINE` names another project's file (FastVideo's) and is not checked.
 - a module path: a dotted name in backquotes whose leading parts end the dotted path of one of the tree's modules
@@ -330,7 +330,7 @@ def test_the_checks_see_the_forms_in_use():
              '    retries", "Definitions"; [docs/diffusers.md](docs/diffusers.md),',  # 3
              '"`enable_fast_encode`"; README, "Serving"; README\'s "Try it"; docs/fastvideo.md, "Scaling out".',  # 4
              'docs/design.md, "No such section"; docs/nowhere.md, "Rooms"; the bar ("VAE decode")',  # 5
-             "tests/test_docs_citations.py:1 tools/no_such_tool.py fastvideo_integration/no_such.py fastvideo_integration/adapter.py",  # 6
+             "tests/test_docs_citations.py:1 tools/no_such_tool.py fastvideo_integration/no_such.py fastvideo_integration/compat/seams.py",  # 6
              "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py",  # 7
              "`vae_kernel.definitions.precision.exact_fp32` `vae_kernel.precision.exact_fp32` `memory.retry_plan`",  # 8
              "`memory.no_such_plan` `torch.equal` `fa4.py` `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder`",  # 9

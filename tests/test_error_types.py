@@ -69,12 +69,12 @@ def test_an_unwritable_output_folder_is_an_os_error(tmp_path):
 def test_a_fastvideo_without_a_seam_is_a_runtime_error(monkeypatch):
     import fastvideo.registry
 
-    from fastvideo_pan2_ext.fastvideo_integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import compat
 
     monkeypatch.delattr(fastvideo.registry, "_CONFIG_REGISTRY")  # what a FastVideo that renamed it looks like
     with pytest.raises(RuntimeError, match=r"needs fastvideo\.registry\._CONFIG_REGISTRY") as raised:
-        adapter.check()
-    assert isinstance(raised.value, adapter.IncompatibleFastVideo)
+        compat.check()
+    assert isinstance(raised.value, compat.IncompatibleFastVideo)
 
 
 def test_one_line_of_an_error_is_first_lines_everywhere_and_an_empty_message_names_its_type(tmp_path, monkeypatch,

@@ -51,14 +51,15 @@ def test_fsdp_is_held_to_a_plain_bf16_run_and_the_offloads_to_the_plain_fp32_one
 
 
 def _cpu_offload_flags() -> tuple[str, ...]:
-    """`fastvideo_integration.adapter.CPU_OFFLOAD_FLAGS`, read from its source (importing the adapter imports FastVideo)."""
-    tree = ast.parse((REPO / "fastvideo_pan2_ext" / "fastvideo_integration" / "adapter.py").read_text())
+    """`fastvideo_integration.compat.cpu_gaps.CPU_OFFLOAD_FLAGS`, read from its source (importing it imports
+    FastVideo)."""
+    tree = ast.parse((REPO / "fastvideo_pan2_ext" / "fastvideo_integration" / "compat" / "cpu_gaps.py").read_text())
     [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
                and [getattr(t, "id", None) for t in node.targets] == ["CPU_OFFLOAD_FLAGS"]]
     return ast.literal_eval(value)
 
 
-def test_the_options_a_dry_run_records_off_are_those_the_adapter_turns_off_without_a_gpu():
+def test_the_options_a_dry_run_records_off_are_those_turned_off_without_a_gpu():
     CPU_OFFLOAD_FLAGS = _cpu_offload_flags()
     assert set(gpu_check.OFF_WITHOUT_GPU) == set(OPTIONS[:3]) <= set(CPU_OFFLOAD_FLAGS)
     assert "use_fsdp_inference" not in CPU_OFFLOAD_FLAGS  # FSDP2 runs on a CPU over gloo: the dry run runs it
@@ -112,7 +113,7 @@ def test_fsdp_is_in_effect_when_the_dit_holds_dtensors():
 @pytest.mark.parametrize("name", OPTIONS)
 def test_an_option_the_worker_turned_off_is_not_in_effect_and_a_dry_run_says_why(name):
     """FastVideo resolves conflicts in the worker (layer-wise offload turns FSDP off); on a GPU-less machine the
-    adapter turns the offloads off: either way the worker's args say so and nothing else counts."""
+    compat package turns the offloads off: either way the worker's args say so and nothing else counts."""
     state = _state()  # the option asked for, off in the worker: every sign of it present all the same
     state["transformer"] |= {"dtensor_parameters": 68}
     state["text_encoder"]["devices"] = state["vae"]["devices"] = ["cpu"]

@@ -37,10 +37,10 @@ def _fastvideo_ready() -> None:
     does; only the two pieces this needs, so these tests do not depend on the rest of the registration)."""
     import fastvideo  # noqa: F401 - FastVideo first, as a user's process imports it
 
-    from fastvideo_pan2_ext.fastvideo_integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import compat
     from fastvideo_pan2_ext.model.registry import register_models
 
-    adapter.close_cpu_gaps()
+    compat.cpu_gaps.close_cpu_gaps()
     register_models()
 
 

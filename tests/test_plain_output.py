@@ -145,15 +145,15 @@ def test_fastvideos_colours_go_to_a_terminal_only(tmp_path):
 
 
 def test_colours_follow_no_color_on_a_terminal_too(monkeypatch, tmp_path):
-    """The rule the test above runs (`adapter.colours`), on a real terminal and a real file."""
-    from fastvideo_pan2_ext.fastvideo_integration import adapter
+    """The rule the test above runs (`compat.logs.colours`), on a real terminal and a real file."""
+    from fastvideo_pan2_ext.fastvideo_integration import compat
 
     master, slave = pty.openpty()
     with os.fdopen(slave, "w") as terminal, open(tmp_path / "log", "w") as log:
         monkeypatch.delenv("NO_COLOR", raising=False)
-        assert adapter.colours(terminal) and not adapter.colours(log)
+        assert compat.logs.colours(terminal) and not compat.logs.colours(log)
         monkeypatch.setenv("NO_COLOR", "1")
-        assert not adapter.colours(terminal) and not adapter.colours(log)
+        assert not compat.logs.colours(terminal) and not compat.logs.colours(log)
         monkeypatch.setenv("NO_COLOR", "")  # no-color.org: an empty NO_COLOR does not count
-        assert adapter.colours(terminal)
+        assert compat.logs.colours(terminal)
     os.close(master)

@@ -73,7 +73,7 @@ def test_an_operators_default_output_path_outside_output_dir_is_refused_at_start
                                                                                              monkeypatch, capsys):
     """FastVideo writes every request without an output_path to it; below output_dir it is taken as FastVideo takes it
     (a relative one from the working folder) and resolved once; elsewhere every job used to fail at its save."""
-    from fastvideo_pan2_ext.fastvideo_integration import adapter, serving
+    from fastvideo_pan2_ext.fastvideo_integration import compat, serving
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
@@ -87,7 +87,7 @@ def test_an_operators_default_output_path_outside_output_dir_is_refused_at_start
                                           "default_request": {"output": {"output_path": output_path}}}))
         args = argparse.Namespace(config=str(config), pipeline=None, _unknown=None)
         serving._validate(args, None)
-        return adapter.default_output_path(adapter.validated_serve_config_of(args).default_request)
+        return compat.http_server.default_output_path(compat.cli.validated_serve_config_of(args).default_request)
 
     assert validated("out/kept/../defaults") == str(tmp_path / "out" / "defaults")
     assert validated("out/link-in") == str(tmp_path / "out" / "videos")
@@ -107,10 +107,10 @@ def _cancel_on_rank(rank: int, world: int, tmp: str) -> list:
 
     import torch.distributed as dist
 
-    from fastvideo_pan2_ext.fastvideo_integration import adapter, cancel
+    from fastvideo_pan2_ext.fastvideo_integration import cancel, compat
 
-    adapter.decode_group = lambda: dist.group.WORLD  # the request's ranks, as FastVideo's world group gives them
-    adapter.local_torch_device = lambda: "cpu"
+    compat.executor.decode_group = lambda: dist.group.WORLD  # the request's ranks, as FastVideo's world group has them
+    compat.executor.local_torch_device = lambda: "cpu"
     flag = cancel.CancelFlag(f"{tmp}/flag-{rank}")
     batch = types.SimpleNamespace(extra={cancel.KEY: flag})
     stopped = []

@@ -128,7 +128,7 @@ def test_fastvideo_wan_vae_decode_off_is_fastvideos_on_is_the_fast_decoder(layou
     from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 
     vae, vae_json = fastvideo_wan_vae(wan22_stock if layout == "wan2.2" else wan21_stock)
-    original = AutoencoderKLWan.decode.__wrapped__  # FastVideo's decode, under the adapter's route
+    original = AutoencoderKLWan.decode.__wrapped__  # FastVideo's decode, under compat.wan_vae's route
     assert original is not AutoencoderKLWan.decode
     s = vae_json["scale_factor_spatial"]
     z = torch.randn(1, vae_json["z_dim"], 3, E2E_HEIGHT // s, E2E_WIDTH // s,

@@ -919,8 +919,8 @@ OPTION_RUNS = (("plain", "fp32", None), ("dit_layerwise_offload", "fp32", "plain
                ("plain_bf16", "bf16", None), ("use_fsdp_inference", "bf16", "plain_bf16"))
 OPTION_FLAGS = ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload",
                 "use_fsdp_inference")
-# What the adapter turns off on a GPU-less machine (`fastvideo_integration.adapter.CPU_OFFLOAD_FLAGS`: FastVideo's offloads
-# need CUDA), so a dry run records them off; FSDP2 runs there over gloo.
+# What FastVideo's compat package turns off on a GPU-less machine (`fastvideo_integration.compat.cpu_gaps`'s
+# CPU_OFFLOAD_FLAGS: FastVideo's offloads need CUDA), so a dry run records them off; FSDP2 runs there over gloo.
 OFF_WITHOUT_GPU = ("dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload")
 # The request (tests/test_pan2_parallel.py's): image-to-video, so the VAE's encode of the first frame is in the
 # latents (vae_cpu_offload moves the VAE for it), with a negative prompt at guidance 3.0 (two forwards a step).
@@ -984,14 +984,14 @@ def pan2_option_run(ctx: Context, name: str, precision: str, checkpoint: str, ou
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig  # noqa: PLC0415
     from fastvideo_pan2_ext.demo.pan2 import SAMPLE_IMAGE  # noqa: PLC0415
-    from fastvideo_pan2_ext.fastvideo_integration import adapter  # noqa: PLC0415
+    from fastvideo_pan2_ext.fastvideo_integration import compat  # noqa: PLC0415
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is local; the GPU machine has no network
     height, width, frames, steps = ctx.sizes[PAN2_OPTIONS]
     # The DiT in `precision`, the text encoder and both VAE passes in fp32.
     config = PAN2PipelineConfig(dit_precision=precision, text_encoder_precisions=("fp32",), vae_decode_precision="fp32")
     start = time.perf_counter()
-    generator = adapter.symbol("VideoGenerator").from_config({
+    generator = compat.symbol("VideoGenerator").from_config({
         "model_path": checkpoint, "engine": option_engine(name),
         "pipeline": {"experimental": {"pipeline_config": config}}})
     loaded = time.perf_counter()
@@ -1027,7 +1027,7 @@ def option_in_effect(name: str, worker: dict, dry_run: bool) -> tuple[bool, str]
     if not args.get(name):
         cpu = dry_run and name in OFF_WITHOUT_GPU
         why = (" (the adapter turns FastVideo's offloads off on a GPU-less machine: "
-               "fastvideo_pan2_ext.fastvideo_integration.adapter.CPU_OFFLOAD_FLAGS)") if cpu else ""
+               "fastvideo_pan2_ext.fastvideo_integration.compat.cpu_gaps.CPU_OFFLOAD_FLAGS)") if cpu else ""
         return False, f"the worker's FastVideoArgs have {name}=False{why}"
     if name == "dit_layerwise_offload":
         [(first, joint), *rest] = dit["module_lists"].items()  # FastVideo hooks the first ModuleList only

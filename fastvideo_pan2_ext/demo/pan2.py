@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         timings.append(("tiny checkpoint: " + ("made" if made else "from cache"), time.perf_counter() - t))
 
     t = time.perf_counter()
-    from fastvideo_pan2_ext.fastvideo_integration import adapter
+    from fastvideo_pan2_ext.fastvideo_integration import compat
 
-    VideoGenerator = adapter.symbol("VideoGenerator")
+    VideoGenerator = compat.symbol("VideoGenerator")
 
     from fastvideo_pan2_ext.configs import PAN2PipelineConfig
 

@@ -15,7 +15,7 @@ import contextvars
 import dataclasses
 import os
 
-from . import adapter
+from . import compat
 
 KEY = "pan2_cancel"  # parent -> worker: the job's CancelFlag
 
@@ -61,16 +61,16 @@ def current() -> CancelFlag | None:
 
 def check(batch, step: int, steps: int) -> None:
     """Before denoising step `step` (0-based) of `steps`: JobCancelled on every rank once the job's flag is set."""
-    flag = adapter.batch_extra(batch, KEY, CancelFlag)
+    flag = compat.executor.batch_extra(batch, KEY, CancelFlag)
     if flag is None:
         return
     stop = flag.is_set()
-    group = adapter.decode_group()  # the request's ranks (None: one)
+    group = compat.executor.decode_group()  # the request's ranks (None: one)
     if group is not None:  # ranks may look a moment apart: they stop at the step any of them saw the flag
         import torch
         import torch.distributed as dist
 
-        seen = torch.tensor([int(stop)], device=adapter.local_torch_device())
+        seen = torch.tensor([int(stop)], device=compat.executor.local_torch_device())
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
         stop = bool(seen.item())
     if stop:

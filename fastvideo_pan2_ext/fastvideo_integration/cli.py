@@ -1,7 +1,7 @@
 """``fastvideo generate --pipeline NAME``: choose a plugin pipeline and its defaults from the stock CLI.
 
 FastVideo 0.2.1's ``generate`` takes ``--config RUN_CONFIG`` plus dotted overrides (``--generator.*``,
-``--request.*``). `install()` extends it (through `adapter.extend_generate_cli`) so that:
+``--request.*``). `install()` extends it (through `compat.cli.extend_generate_cli`) so that:
 
 - ``--pipeline`` appears in ``fastvideo generate --help``;
 - without ``--pipeline`` everything is FastVideo's, unchanged;
@@ -37,7 +37,7 @@ from fastvideo_pan2_ext.model import memory
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 from fastvideo_pan2_ext.media.video_io import check_writable
 
-from . import adapter, decode_failure, fast_decode, fast_encode, memory_check, streamed_save
+from . import compat, decode_failure, fast_decode, fast_encode, memory_check, streamed_save
 from .checkpoint import check_pan2_checkpoint
 
 
@@ -77,7 +77,7 @@ def check_vae_option_names(experimental: dict) -> None:
 
 
 def _pan2_run_config(args):
-    raw = adapter.raw_generate_config(args.config, adapter.generate_cli_overrides(args))
+    raw = compat.cli.raw_generate_config(args.config, compat.cli.generate_cli_overrides(args))
     select_pan2(raw["generator"])
 
     request = raw["request"]
@@ -95,7 +95,7 @@ def _pan2_run_config(args):
         img = load_image(image_path)  # reads it fully: a missing, unreadable, truncated or oversized image fails here
         cover_size(img.width, img.height, sampling["height"], sampling["width"])
 
-    config = adapter.validated_generate_config(raw)
+    config = compat.cli.validated_generate_config(raw)
     check_frame_count(config.request.sampling.num_frames)
     sampling = config.request.sampling
     # The fast decoder's and encoder's options where they will run (a GPU, a budget), before the workers load models.
@@ -105,7 +105,7 @@ def _pan2_run_config(args):
                                                               sampling.width), prefix="vae_")
     fast_encode.check_runs_here(pan2_config, vae if image_path is not None else None,  # text-to-video encodes none
                                 (1, 3, 1, sampling.height, sampling.width), prefix="vae_")
-    memory_check.check(adapter.symbol("generator_config_to_fastvideo_args")(config.generator),
+    memory_check.check(compat.symbol("generator_config_to_fastvideo_args")(config.generator),
                        memory.Request(sampling.height, sampling.width, sampling.num_frames))
     output_path = config.request.output.output_path  # a file (.mp4) or a folder FastVideo names the file in
     check_writable(output_path if output_path.endswith(".mp4") else Path(output_path) / "video.mp4")
@@ -139,7 +139,7 @@ def _validate(args, fastvideo_validate) -> None:
     if name not in PIPELINES:
         fail("generate", f"unknown --pipeline {name!r}; known pipelines: {', '.join(sorted(PIPELINES))}")
     try:
-        adapter.hand_run_config_to_generate(args, PIPELINES[name](args))
+        compat.cli.hand_run_config_to_generate(args, PIPELINES[name](args))
     except (ValueError, OSError) as exc:
         fail("generate", exc)
 
@@ -208,4 +208,4 @@ def stop_workers(timeout_s: float = 5.0) -> None:
 
 def install() -> None:
     """Extend FastVideo's `generate` command (idempotent)."""
-    adapter.extend_generate_cli(_add_arguments, _validate, _run)
+    compat.cli.extend_generate_cli(_add_arguments, _validate, _run)

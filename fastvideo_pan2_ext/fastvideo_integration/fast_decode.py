@@ -3,12 +3,12 @@
 
 FastVideo's `WanVAEConfig` gets the switch `decode_kernel: bool = False` (decode with the fast decoder) and one field
 `decode_<name>` per decoder option (`vae_kernel.options.OPTIONS`: decode_frames_per_pass, decode_tile_rows,
-decode_max_memory, decode_backend, decode_conv_algorithm), added by `adapter.add_config_fields` in every process that
+decode_max_memory, decode_backend, decode_conv_algorithm), added by `wan_vae.add_config_fields` in every process that
 loads this plugin, off by default, set like any of its fields (Python: `pipeline_config.vae_config.decode_kernel =
 True`; CLI: `--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`).
 
 FastVideo's `AutoencoderKLWan.decode(z)` (z de-normalized, as FastVideo's decoding stage hands it over) is routed here
-when the switch is on (`adapter.route_wan_vae_decode`); everything else about the pipeline is FastVideo's. When the
+when the switch is on (`wan_vae.route_decode`); everything else about the pipeline is FastVideo's. When the
 request runs on several ranks (FastVideo runs every stage on every rank, with the same latents), the ranks decode row
 bands of one video together (exact halos) and rank 0's video is the request's; the others hand FastVideo a
 placeholder of the same shape, whose values are never used (FastVideo returns rank 0's output).
@@ -31,7 +31,7 @@ from fastvideo_pan2_ext.vae_kernel.errors import first_line
 from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
 
-from . import adapter
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     the module's weights (`WanVAEDecoder.sync_weights`), and they leave the device when the module does
     (`vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
-    group = None if opts.tiled else adapter.decode_group()  # exact tiles are a single-rank decode
+    group = None if opts.tiled else compat.executor.decode_group()  # exact tiles are a single-rank decode
 
     def make() -> WanVAEDecoder:
         decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, **decoder_options.as_kwargs(opts))
@@ -162,7 +162,7 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
 
 
 def vae_moved(vae) -> None:
-    """After FastVideo's Wan VAE `vae` moved (`.to()`; `adapter.after_wan_vae_moves`): its fast decoder's prepared
+    """After FastVideo's Wan VAE `vae` moved (`.to()`; `wan_vae.after_moves`): its fast decoder's prepared
     weights leave a device the VAE left (FastVideo's `vae_cpu_offload`), to be prepared again at its next decode."""
     cached = _decoders.get(vae)
     if cached is not None:

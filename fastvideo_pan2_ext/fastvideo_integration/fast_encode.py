@@ -3,11 +3,11 @@
 
 FastVideo's `WanVAEConfig` gets the switch `encode_kernel: bool = False` and one field `encode_<name>` per encoder
 option (`vae_kernel.options.ENCODE_OPTIONS`: encode_frames_per_pass, encode_tile_rows, encode_max_memory,
-encode_backend, encode_precision, encode_reuse_steady), added by `adapter.add_config_fields` beside the decoder's, off
+encode_backend, encode_precision, encode_reuse_steady), added by `wan_vae.add_config_fields` beside the decoder's, off
 by default, set like any of its fields (Python: `pipeline_config.vae_config.encode_kernel = True`; CLI:
 `--generator.pipeline.experimental.pipeline_config.vae_config.encode_kernel true`; PAN2: `vae_encode_kernel`).
 
-FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`adapter.route_wan_vae_encode`): every
+FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`wan_vae.route_encode`): every
 Wan encode FastVideo makes (image-to-video's conditioning video, TI2V's first frame, video-to-video, the
 preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistribution` of the moments, in the VAE's
 dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. The encoder runs on
@@ -32,7 +32,7 @@ from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
 
-from . import adapter, fast_decode
+from . import compat, fast_decode
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
 
 
 def vae_moved(vae) -> None:
-    """After FastVideo's Wan VAE `vae` moved (`.to()`; `adapter.after_wan_vae_moves`): a fast encoder on the device
+    """After FastVideo's Wan VAE `vae` moved (`.to()`; `wan_vae.after_moves`): a fast encoder on the device
     it left is dropped with its prepared weights (FastVideo's encoding stages move the VAE to the CPU after an
     encode); the next encode makes one where the VAE then is."""
     cached = _encoders.get(vae)
@@ -216,4 +216,4 @@ def encode(vae, x, fastvideo_encode):
     plan = encoder.last_plan
     logger.debug("fast VAE encoder: video %s: %d latent frame(s) per pass, %s", list(x.shape), plan.frames_per_pass,
                  "untiled" if plan.tile_rows is None else f"in tiles of {plan.tile_rows} latent rows")
-    return adapter.symbol("DiagonalGaussianDistribution")(moments)
+    return compat.symbol("DiagonalGaussianDistribution")(moments)

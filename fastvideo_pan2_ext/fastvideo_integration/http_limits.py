@@ -4,7 +4,7 @@
   Content-Length says so, else as soon as that many bytes have come (a chunked body is counted); a body not all
   there `body_timeout_s` after the request's headers is a 408 with one line. A multipart body (an upload) has its
   own, larger limit: Starlette's parser spools its file parts to disk and the upload is copied to its file in chunks
-  (`adapter`), so an upload is never held whole in memory; any other body (JSON) is read whole by FastVideo's
+  (`uploads`), so an upload is never held whole in memory; any other body (JSON) is read whole by FastVideo's
   handler, so its limit is what it may take in memory. Once refused, the app's next read of the request raises,
   whatever the app answers after is dropped, and the connection is closed (the rest of the body is never read).
 - `protocol(...)`: uvicorn's h11 protocol, which refuses request headers over `max_header_bytes` (counted as they

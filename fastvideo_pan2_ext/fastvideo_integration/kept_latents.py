@@ -24,7 +24,7 @@ from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import infer_config
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
-from . import adapter, fast_decode, streamed_save
+from . import compat, fast_decode, streamed_save
 from .decode_failure import FAILURE_KEY, DecodeFailed, DecodeFailure, KeepLatentsRequest
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _vae_source(fastvideo_args) -> tuple[str, str | None]:
 
 
 def _is_root() -> bool:
-    group = adapter.decode_group()
+    group = compat.executor.decode_group()
     return group is None or torch.distributed.get_rank(group) == 0
 
 
@@ -98,4 +98,4 @@ def check_output(output_batch) -> None:
 
 
 def install() -> None:
-    adapter.on_execute_forward(check_output)
+    compat.executor.on_execute_forward(check_output)

@@ -13,14 +13,14 @@ from fastvideo_pan2_ext.attention.fa4 import loaded_fa4_readers
 from fastvideo_pan2_ext.configs import PAN2PipelineConfig, PAN2SamplingParam
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
-from . import adapter, cancel, checkpoint, request_failure
+from . import cancel, checkpoint, compat, request_failure
 from .stages import (PAN2ConditionStage, PAN2DecodingStage, PAN2DenoisingStage, PAN2InputStage,
                      PAN2LatentPreparationStage, PAN2TextEncodingStage)
 
 logger = logging.getLogger(__name__)
 
 
-class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
+class PAN2Pipeline(compat.symbol("ComposedPipelineBase")):
     """first frame -> prompts -> noise -> condition -> denoise -> decode (docs/design.md, "PAN2's sampler")."""
 
     pipeline_config_cls = PAN2PipelineConfig
@@ -61,7 +61,7 @@ class PAN2Pipeline(adapter.symbol("ComposedPipelineBase")):
         # Several ranks: one that failed alone would leave the others waiting in a collective; they all stop instead,
         # as in FastVideo (/health then says so). A JobCancelled fails alone there too: every rank raises it at the
         # same step (`cancel.check`).
-        if not adapter.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
+        if not compat.executor.batch_extra(batch, request_failure.FAILS_ALONE_KEY, bool):
             return super().forward(batch, fastvideo_args)
         try:
             return super().forward(batch, fastvideo_args)

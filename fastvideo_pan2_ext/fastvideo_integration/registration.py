@@ -1,8 +1,9 @@
 """`register()`: what the ``fastvideo.plugins`` entry point does in every FastVideo process. Idempotent.
 
-1. Checks that the installed FastVideo has every seam this package uses (`adapter.check`: one line if not), and
-   makes FastVideo's colour codes go only to terminals, never with NO_COLOR (`adapter.colour_only_on_terminals`).
-2. On a GPU-less machine, lets FastVideo run on CPU (`adapter.close_cpu_gaps`; nothing happens where a GPU exists).
+1. Checks that the installed FastVideo has every seam this package uses (`compat.check`: one line if not), and
+   makes FastVideo's colour codes go only to terminals, never with NO_COLOR (`compat.logs.colour_only_on_terminals`).
+2. On a GPU-less machine, lets FastVideo run on CPU (`compat.cpu_gaps.close_cpu_gaps`; nothing happens where a GPU
+   exists).
 3. Registers `PAN2PipelineConfig` + `PAN2SamplingParam` with FastVideo's config registry (text- and image-to-video,
    the hub id `IFM/PAN2`), with a detector for PAN2 manifests (`checkpoint.looks_like_pan2`) ahead of FastVideo's
    own, pinned to the `PAN2Pipeline` class; PAN2's DiT and Qwen3.5 text encoder into FastVideo's model registry under
@@ -30,7 +31,7 @@ from fastvideo_pan2_ext.names import HUB_ID
 from fastvideo_pan2_ext.configs.pan2 import (MODEL_FAMILY, PAN2_PRESET, PIPELINE_CLASS_NAME, PRESET_NAME,
                                              PAN2PipelineConfig, PAN2SamplingParam)
 
-from . import (adapter, cli, fast_decode, fast_encode, kept_latents, memory_check, request_failure, serving,
+from . import (cli, compat, fast_decode, fast_encode, kept_latents, memory_check, request_failure, serving,
                streamed_save)
 from .checkpoint import check_pan2_checkpoint, looks_like_pan2
 
@@ -43,30 +44,30 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    adapter.check()
-    adapter.colour_only_on_terminals()
-    adapter.close_cpu_gaps()
-    adapter.register_pipeline_config(
+    compat.check()
+    compat.logs.colour_only_on_terminals()
+    compat.cpu_gaps.close_cpu_gaps()
+    compat.registry.register_pipeline_config(
         pipeline_config_cls=PAN2PipelineConfig, sampling_param_cls=PAN2SamplingParam,
-        workload_types=(adapter.symbol("WorkloadType").T2V, adapter.symbol("WorkloadType").I2V),
+        workload_types=(compat.symbol("WorkloadType").T2V, compat.symbol("WorkloadType").I2V),
         detector=looks_like_pan2, model_family=MODEL_FAMILY, default_preset=PRESET_NAME,
         pipeline_cls_name=PIPELINE_CLASS_NAME, hf_model_paths=(HUB_ID, ))
     register_models()
-    adapter.register_preset(PAN2_PRESET)
-    adapter.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)
-    adapter.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")
-    adapter.add_config_fields({**fast_decode.CONFIG_FIELDS, **fast_encode.CONFIG_FIELDS})
-    adapter.route_wan_vae_decode(lambda vae_config: fast_decode.options(vae_config) is not None, fast_decode.decode)
-    adapter.route_wan_vae_encode(lambda vae_config: fast_encode.options(vae_config) is not None, fast_encode.encode)
-    adapter.after_wan_vae_moves(fast_decode.vae_moved)
-    adapter.after_wan_vae_moves(fast_encode.vae_moved)
-    adapter.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
-    adapter.on_fastvideo_args(fast_encode.check_fastvideo_args, "after")
-    adapter.on_fastvideo_args(_pan2_weights_fit, "after")
+    compat.registry.register_preset(PAN2_PRESET)
+    compat.registry.add_pipeline_class("basic", PIPELINE_CLASS_NAME, _pipeline_class)
+    compat.registry.on_fastvideo_args(_pan2_config_selects_pan2_pipeline, "before")
+    compat.wan_vae.add_config_fields({**fast_decode.CONFIG_FIELDS, **fast_encode.CONFIG_FIELDS})
+    compat.wan_vae.route_decode(lambda vae_config: fast_decode.options(vae_config) is not None, fast_decode.decode)
+    compat.wan_vae.route_encode(lambda vae_config: fast_encode.options(vae_config) is not None, fast_encode.encode)
+    compat.wan_vae.after_moves(fast_decode.vae_moved)
+    compat.wan_vae.after_moves(fast_encode.vae_moved)
+    compat.registry.on_fastvideo_args(fast_decode.check_fastvideo_args, "after")
+    compat.registry.on_fastvideo_args(fast_encode.check_fastvideo_args, "after")
+    compat.registry.on_fastvideo_args(_pan2_weights_fit, "after")
     cli.install()
     streamed_save.install()
     kept_latents.install()
-    adapter.on_execute_forward(request_failure.check_output)
+    compat.executor.on_execute_forward(request_failure.check_output)
     serving.install()
     _registered = True
     logger.debug("fastvideo_pan2_ext registered with FastVideo")

@@ -52,7 +52,7 @@ from fastvideo_pan2_ext.media.image import check_size, cover_size, load_image
 from fastvideo_pan2_ext.media.video_io import check_writable, open_folder, open_written, remove_video
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 
-from . import adapter, cancel, cli, decode_failure, http_limits, request_failure, streamed_save
+from . import cancel, cli, compat, decode_failure, http_limits, request_failure, streamed_save, uploads
 from .checkpoint import NotPAN2CheckpointError, looks_like_pan2, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class PAN2Server:
         if not path:
             return None
         path = Path(path).resolve()
-        uploads = Path(adapter.served_output_dir()).resolve() / "uploads"
+        uploads = Path(compat.http_server.served_output_dir()).resolve() / "uploads"
         return path if path.parent == uploads and path.name.startswith(f"{request_id}_") else None
 
     def check_request(self, request_id: str, req, build, default_folder: str | None):
@@ -307,7 +307,7 @@ class PAN2Server:
                 flag = cancel.CancelFlag(str(self._flags / request_id))
                 wrote: list = []  # the file it moves into place (FastVideo may name it `name_1.mp4`)
                 self._running[request_id] = (wrote, flag)  # before a DELETE can see it run
-                if not await adapter.update_job(request_id, {"status": "in_progress", "progress": 0}):
+                if not await compat.http_server.update_job(request_id, {"status": "in_progress", "progress": 0}):
                     self._running.pop(request_id, None)
                     flag.clear()  # a DELETE meanwhile may have set it
                     logger.info("Video %s was deleted before its turn: not generated", request_id)
@@ -321,7 +321,7 @@ class PAN2Server:
                 except Exception as exc:  # this job failed; the server goes on
                     error = exc
                     update = {"status": "failed", "error": {"message": self._reason(exc)}}
-                kept = await adapter.update_job(request_id, update)
+                kept = await compat.http_server.update_job(request_id, update)
                 self._running.pop(request_id, None)
                 flag.clear()
                 written = wrote[0] if wrote else None
@@ -335,7 +335,7 @@ class PAN2Server:
                 else:
                     if written is not None:  # FastVideo's save may have chosen another name (`name_1.mp4`)
                         self._keep(request_id, written)
-                        await adapter.update_job(request_id, {"file_path": written.path})
+                        await compat.http_server.update_job(request_id, {"file_path": written.path})
                         await self._release_oldest()
                     logger.info("Video %s completed in %.2fs", request_id, update["inference_time_s"])
         finally:
@@ -353,7 +353,7 @@ class PAN2Server:
         """Past `max_kept_videos` kept videos, the oldest go (closed and removed); their jobs stay, with no file (their
         content: a 410)."""
         for request_id in list(self._written)[:max(len(self._written) - self.rules.max_kept_videos, 0)]:
-            await adapter.update_job(request_id, {"file_path": None})
+            await compat.http_server.update_job(request_id, {"file_path": None})
             if self._forget(request_id, "released"):
                 logger.info("Video %s removed: this server keeps its %d newest videos (server.max_kept_videos)",
                             request_id, self.rules.max_kept_videos)
@@ -374,7 +374,7 @@ class PAN2Server:
     @staticmethod
     def _generate(kwargs: dict, flag: cancel.CancelFlag, wrote: list) -> None:
         with request_failure.failing_alone(), cancel.cancellable(flag), streamed_save.recording(wrote):
-            adapter.served_generator().generate_video(**kwargs)
+            compat.http_server.served_generator().generate_video(**kwargs)
 
     @staticmethod
     def _reason(exc: BaseException) -> str:
@@ -420,7 +420,7 @@ class PAN2Server:
         from fastapi import HTTPException
         from fastapi.responses import StreamingResponse
 
-        job = await adapter.served_job(video_id)
+        job = await compat.http_server.served_job(video_id)
         if not job:
             raise HTTPException(status_code=404, detail="Video not found")
         written, _ = self._written.get(video_id, (None, None))
@@ -450,12 +450,13 @@ class PAN2Server:
             "content-length": str(size), "content-disposition": f'attachment; filename="{Path(written.path).name}"'})
 
     def parts(self) -> dict:
-        """What FastVideo's server gets from this one (`adapter.run_video_server`, `adapter.video_server_app`)."""
+        """What FastVideo's server gets from this one (`compat.http_server.replace_server_parts`)."""
         r = self.rules
         return dict(check_request=self.check_request, run_job=self.run_job, health=self.health, stopped=self.stopped,
-                    deleted=self.deleted, content=self.content, middleware=[(http_limits.BodyLimits, dict(
+                    deleted=self.deleted, content=self.content, save_image=uploads.save_image,
+                    make_request=uploads.request_or_400, middleware=[(http_limits.BodyLimits, dict(
                         max_upload_bytes=r.max_upload_bytes, max_body_bytes=r.max_body_bytes,
-                        body_timeout_s=r.body_timeout_s))])
+                        body_timeout_s=r.body_timeout_s)), (uploads.UploadGuard, {})])
 
     # ------------------------------------------------------------------------------------------- health, stop
 
@@ -470,7 +471,7 @@ class PAN2Server:
     @staticmethod
     def unhealthy() -> str | None:
         """Why no request can be served (a worker process is gone), or None."""
-        procs = adapter.worker_processes(adapter.served_generator())
+        procs = compat.executor.worker_processes(compat.http_server.served_generator())
         dead = [p.pid for p in procs if not p.is_alive()]
         if not procs or dead:
             return f"worker process(es) {dead or 'none'} not running: no request can be served; restart the server"
@@ -506,7 +507,7 @@ def _pan2_serve_config(raw: dict):
     replicas = Replicas(**{name: server.pop(name) for name in SCALE_OUT_OPTIONS if name in server})
     server.setdefault("host", LOOPBACK)
     cli.select_pan2(raw["generator"])
-    config = adapter.validated_serve_config(raw)
+    config = compat.cli.validated_serve_config(raw)
     rules = ServingRules.from_config(config.server.output_dir, **options)
     # Resolved once, here: the jobs' paths are then below it as written (no link is followed below it), and the
     # replicas, which run in Ray's working folder, get this command's.
@@ -514,7 +515,7 @@ def _pan2_serve_config(raw: dict):
     check_default_output(config, rules.output_dir)
     if replicas.replicas is not None:
         _scale_out()  # Ray Serve is there
-        adapter.check_default_request(config)  # before any replica loads a model
+        compat.http_server.check_default_request(config)  # before any replica loads a model
         if os.path.exists(config.generator.model_path):
             config.generator.model_path = os.path.abspath(config.generator.model_path)
     else:
@@ -526,14 +527,14 @@ def check_default_output(config, output_dir: Path) -> None:
     """The operator's `default_request.output.output_path` (if set) resolved, as FastVideo takes it (a relative one
     from the working folder), and set back; ValueError unless it is a folder under `output_dir` (every job sent
     there would fail when its video is saved)."""
-    path = adapter.default_output_path(config.default_request)
+    path = compat.http_server.default_output_path(config.default_request)
     if not path:
         return
     folder = Path(path).resolve()
     if not _within(folder, output_dir):
         raise ValueError(f"default_request.output.output_path must be a folder under server.output_dir ({output_dir}); "
                          f"got {path!r}")
-    adapter.set_default_output_path(config, str(folder))
+    compat.http_server.set_default_output_path(config, str(folder))
 
 
 def _scale_out():
@@ -553,7 +554,7 @@ def served_app(config, rules: ServingRules):
     rules = ServingRules.from_config(str(rules.output_dir), **rules.options())
     apply_fa4_policy()  # in the replica, so the workers it spawns inherit the decision
     server = PAN2Server(rules)
-    return adapter.video_server_app(config, **server.parts()), server.unhealthy
+    return compat.http_server.video_server_app(config, **server.parts()), server.unhealthy
 
 
 def serves_pan2(model_path) -> bool:
@@ -567,7 +568,7 @@ def serves_pan2(model_path) -> bool:
                 return True
         except NotPAN2CheckpointError:  # no manifest: FastVideo's own error comes
             return False
-    config_class = adapter.pipeline_config_class(model_path)  # e.g. by the folder's or the hub id's name
+    config_class = compat.registry.pipeline_config_class(model_path)  # e.g. by the folder's or the hub id's name
     return config_class is not None and issubclass(config_class, PAN2PipelineConfig)
 
 
@@ -575,7 +576,7 @@ def _validate(args, fastvideo_validate) -> None:
     if not getattr(args, "config", None) or not os.path.exists(args.config):
         return fastvideo_validate(args)  # FastVideo's one line for a missing config
     try:
-        raw = adapter.raw_serve_config(args.config, getattr(args, "_unknown", None))
+        raw = compat.cli.raw_serve_config(args.config, getattr(args, "_unknown", None))
         name = raw.pop("pipeline", None) or getattr(args, "pipeline", None)
         if name is None and not serves_pan2(raw.get("generator", {}).get("model_path")):
             return fastvideo_validate(args)
@@ -585,11 +586,11 @@ def _validate(args, fastvideo_validate) -> None:
             name = PIPELINE_NAME
         if name != PIPELINE_NAME:
             cli.fail("serve", f"unknown pipeline {name!r}; known pipelines: {PIPELINE_NAME}")
-        adapter.check_serving()
+        compat.check_serving()
         config, rules, replicas = _pan2_serve_config(raw)
-    except (ValueError, OSError, adapter.IncompatibleFastVideo) as exc:
+    except (ValueError, OSError, compat.IncompatibleFastVideo) as exc:
         cli.fail("serve", exc)
-    adapter.hand_serve_config_to_serve(args, config)
+    compat.cli.hand_serve_config_to_serve(args, config)
     setattr(args, _SERVING, (rules, replicas))
 
 
@@ -597,7 +598,7 @@ def _run(args, fastvideo_run) -> None:
     rules, replicas = getattr(args, _SERVING, (None, None))
     if rules is None:
         return fastvideo_run(args)
-    config = adapter.validated_serve_config_of(args)
+    config = compat.cli.validated_serve_config_of(args)
     if replicas.replicas is not None:
         scale_out = _scale_out()
         try:
@@ -610,7 +611,7 @@ def _run(args, fastvideo_run) -> None:
         return
     server = PAN2Server(rules)
     try:
-        adapter.run_video_server(config, **server.parts(), uvicorn_options=http_limits.uvicorn_options(
+        compat.http_server.run_video_server(config, **server.parts(), uvicorn_options=http_limits.uvicorn_options(
             max_header_bytes=rules.max_header_bytes, header_timeout_s=rules.header_timeout_s,
             max_connections=rules.max_connections))
     finally:  # a second Ctrl-C skips FastVideo's shutdown (uvicorn's forced exit)
@@ -619,4 +620,4 @@ def _run(args, fastvideo_run) -> None:
 
 def install() -> None:
     """Extend FastVideo's `serve` command (idempotent)."""
-    adapter.extend_serve_cli(_add_arguments, _validate, _run)
+    compat.cli.extend_serve_cli(_add_arguments, _validate, _run)

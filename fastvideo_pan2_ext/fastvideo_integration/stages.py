@@ -25,7 +25,7 @@ from PIL import Image
 from fastvideo_pan2_ext.media.image import ImageInputError, check_size, first_frame_from_image, load_image
 from fastvideo_pan2_ext.model.architecture import LATENT_CHANNELS
 
-from . import adapter, cancel, decode_failure, fast_decode, kept_latents, streamed_save
+from . import cancel, compat, decode_failure, fast_decode, kept_latents, streamed_save
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ MAX_PROMPT_TOKENS = 1536
 HIDDEN_LAYER = -3  # hidden_states[-3]: the output of the third-last decoder layer, before the final norm
 
 
-class PAN2InputStage(adapter.symbol("InputValidationStage")):
+class PAN2InputStage(compat.symbol("InputValidationStage")):
     """FastVideo's input checks and seeding, with PAN2's first-frame reading (the frame fills the requested canvas)."""
 
     def forward(self, batch, fastvideo_args):
@@ -80,7 +80,7 @@ def _find(ids: list[int], sub: list[int]) -> int | None:
     return None
 
 
-class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
+class PAN2TextEncodingStage(compat.symbol("PipelineStage")):
     """Qwen3.5 as PAN2's sampler calls it, for the prompt and (with guidance) the negative prompt.
 
     As FastVideo's own text stage: an encoder parked off this rank's device (`text_encoder_cpu_offload` loads it on
@@ -97,7 +97,7 @@ class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
             raise ValueError(f"PAN2 takes one prompt string per request; got {type(batch.prompt).__name__}")
         from torch.distributed.tensor import DTensor
 
-        first, device = next(self.text_encoder.parameters()), adapter.local_torch_device()
+        first, device = next(self.text_encoder.parameters()), compat.executor.local_torch_device()
         parked = first.device
         # FastVideo's rule: an FSDP-wrapped encoder (DTensor weights) moves its own layers; a plain one is moved.
         moved = parked.type != torch.device(device).type and not isinstance(first, DTensor)
@@ -116,10 +116,10 @@ class PAN2TextEncodingStage(adapter.symbol("PipelineStage")):
     def _embeds(self, prompt: str, fastvideo_args) -> torch.Tensor:
         """One prompt's embeddings on this rank's device in the DiT's dtype (the encoder where it computes now)."""
         embeds = prompt_embeds(prompt, self.tokenizer, self.text_encoder, next(self.text_encoder.parameters()).device)
-        return embeds.to(adapter.local_torch_device(), _dtype(fastvideo_args.pipeline_config.dit_precision))
+        return embeds.to(compat.executor.local_torch_device(), _dtype(fastvideo_args.pipeline_config.dit_precision))
 
 
-class PAN2LatentPreparationStage(adapter.symbol("PipelineStage")):
+class PAN2LatentPreparationStage(compat.symbol("PipelineStage")):
     """The initial noise, [B, 48, T', H/16, W/16] in fp32, drawn as FastVideo draws it (CPU generators per seed)."""
 
     def forward(self, batch, fastvideo_args):
@@ -128,13 +128,14 @@ class PAN2LatentPreparationStage(adapter.symbol("PipelineStage")):
                  (batch.num_frames - 1) // arch.temporal_compression_ratio + 1,
                  batch.height // arch.spatial_compression_ratio, batch.width // arch.spatial_compression_ratio)
         if batch.latents is None:
-            batch.latents = adapter.symbol("randn_tensor")(shape, generator=batch.generator,
-                                                            device=adapter.local_torch_device(), dtype=torch.float32)
+            batch.latents = compat.symbol("randn_tensor")(shape, generator=batch.generator,
+                                                          device=compat.executor.local_torch_device(),
+                                                          dtype=torch.float32)
         batch.raw_latent_shape = shape
         return batch
 
 
-class PAN2ConditionStage(adapter.symbol("PipelineStage")):
+class PAN2ConditionStage(compat.symbol("PipelineStage")):
     """The condition the DiT reads beside the noisy latents: 48 latent channels and a mask, [B, 49, T', h, w]."""
 
     def __init__(self, vae) -> None:
@@ -146,7 +147,7 @@ class PAN2ConditionStage(adapter.symbol("PipelineStage")):
         b, _, t, h, w = batch.latents.shape
         condition = torch.zeros(b, LATENT_CHANNELS + 1, t, h, w, device=batch.latents.device)
         if batch.pil_image is not None:  # the first frame from PAN2InputStage
-            device = adapter.local_torch_device()
+            device = compat.executor.local_torch_device()
             self.vae = self.vae.to(device)  # FastVideo's stages move the VAE in and out the same way
             vae_dtype = _dtype(fastvideo_args.pipeline_config.vae_precision)
             mode = self.vae.encode(batch.pil_image.to(device, vae_dtype)).mode().float().to(condition.device)
@@ -161,7 +162,7 @@ class PAN2ConditionStage(adapter.symbol("PipelineStage")):
         return batch
 
 
-class PAN2DenoisingStage(adapter.symbol("PipelineStage")):
+class PAN2DenoisingStage(compat.symbol("PipelineStage")):
     """PAN2's sampler loop (reference: `pan2_sample`)."""
 
     def __init__(self, transformer, scheduler) -> None:
@@ -198,7 +199,7 @@ class PAN2DenoisingStage(adapter.symbol("PipelineStage")):
         return batch
 
     def _velocity(self, model_input, text, timestep, step, batch):
-        with adapter.symbol("set_forward_context")(current_timestep=step, attn_metadata=None, forward_batch=batch):
+        with compat.symbol("set_forward_context")(current_timestep=step, attn_metadata=None, forward_batch=batch):
             return self.transformer(hidden_states=model_input, encoder_hidden_states=text.to(model_input.dtype),
                                     timestep=timestep)
 
@@ -207,14 +208,14 @@ def _dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-class PAN2DecodingStage(adapter.symbol("DecodingStage")):
+class PAN2DecodingStage(compat.symbol("DecodingStage")):
     """FastVideo's decoding stage (whose VAE decodes through the fast decoder when it is switched on), the streamed
     save, and the latents kept when the decode fails."""
 
     def forward(self, batch, fastvideo_args):
         fastvideo_args.pipeline_config.check_vae_options()  # again: FastVideo may set fields after construction
-        request = adapter.batch_extra(batch, streamed_save.KEY, streamed_save.StreamedSaveRequest)
-        keeping = adapter.batch_extra(batch, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest)
+        request = compat.executor.batch_extra(batch, streamed_save.KEY, streamed_save.StreamedSaveRequest)
+        keeping = compat.executor.batch_extra(batch, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest)
         if request is not None and fast_decode.options(self.vae.config) is None:
             raise ValueError("a streamed save needs the fast decoder (the parent asked for one without it)")
         try:
@@ -229,7 +230,8 @@ class PAN2DecodingStage(adapter.symbol("DecodingStage")):
 
     def _vae_input(self, batch, fastvideo_args):
         """The latents as FastVideo's decode hands them to the VAE: on this rank's device, de-normalized."""
-        return adapter.denormalize_latents(self, batch.latents.to(adapter.local_torch_device()), fastvideo_args)
+        latents = batch.latents.to(compat.executor.local_torch_device())
+        return compat.pipelines.denormalize_latents(self, latents, fastvideo_args)
 
     def _stream(self, batch, request, fastvideo_args):
         latents = self._vae_input(batch, fastvideo_args)

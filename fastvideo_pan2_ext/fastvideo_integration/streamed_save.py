@@ -4,7 +4,7 @@ never partial.
 FastVideo 0.2.1 saves in the parent process (in the generator's single-video step) after the worker has decoded the
 whole video and handed it over as fp32 [B, 3, F, H, W] (481 frames at 704x1248: 5.1 GB, and once more as the
 parent's `* 255` copy). For a PAN2 request that saves its video, that step is wrapped
-(`adapter.wrap_generate_single_video`):
+(`compat.executor.wrap_generate_single_video`):
 
 - Streamed (the fast decoder is on, the request saves without returning frames, pixel output, local `mp` workers
   sharing the filesystem): the parent puts a `StreamedSaveRequest` into the worker's `batch.extra[KEY]` and runs the
@@ -44,7 +44,7 @@ from fastvideo_pan2_ext.configs.pan2 import PAN2PipelineConfig, check_frame_coun
 from fastvideo_pan2_ext.vae_kernel.decoder import DecodeRestart
 from fastvideo_pan2_ext.media.video_io import PartialFile, mp4_size, write_grid_stream
 
-from . import adapter, cancel, decode_failure, fast_decode, memory_check, request_failure
+from . import cancel, compat, decode_failure, fast_decode, memory_check, request_failure
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,13 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
     args.pipeline_config.check_vae_options()
     memory_check.check_sampling(args, sampling_param)  # before the request reaches the workers
     if request_failure.fails_alone():
-        kwargs = adapter.with_batch_extra(kwargs, request_failure.FAILS_ALONE_KEY, True)
+        kwargs = compat.executor.with_batch_extra(kwargs, request_failure.FAILS_ALONE_KEY, True)
     if cancel.current() is not None:
-        kwargs = adapter.with_batch_extra(kwargs, cancel.KEY, cancel.current())
+        kwargs = compat.executor.with_batch_extra(kwargs, cancel.KEY, cancel.current())
     if decode_failure.keeps_latents(args):  # beside the path FastVideo chose, even for a request that saves nothing
-        kwargs = adapter.with_batch_extra(kwargs, decode_failure.REQUEST_KEY, decode_failure.KeepLatentsRequest.beside(
-            kwargs["output_path"], sampling_param.fps))
+        kwargs = compat.executor.with_batch_extra(
+            kwargs, decode_failure.REQUEST_KEY,
+            decode_failure.KeepLatentsRequest.beside(kwargs["output_path"], sampling_param.fps))
     if not sampling_param.save_video or args.output_type == "latent":
         return original(generator, prompt, sampling_param, fastvideo_args, **kwargs)
     target = Path(kwargs["output_path"])
@@ -144,7 +145,7 @@ def _generate_pan2(original, generator, prompt, sampling_param, fastvideo_args, 
         if streams(args, sampling_param):
             sampling_param = copy.copy(sampling_param)
             sampling_param.save_video = False  # the decoding stage saves
-            kwargs = adapter.with_batch_extra(kwargs, KEY, StreamedSaveRequest(
+            kwargs = compat.executor.with_batch_extra(kwargs, KEY, StreamedSaveRequest(
                 str(partial.folder / partial.name), sampling_param.fps, partial.folder_id))
             logger.info("PAN2: the video is saved to %s by the decoding stage while it decodes (FastVideo's own save "
                         "is off for this request, hence 'save_video: False' below)", target)
@@ -203,4 +204,4 @@ def remove_left_partials() -> None:
 
 
 def install() -> None:
-    adapter.wrap_generate_single_video(_generate)
+    compat.executor.wrap_generate_single_video(_generate)

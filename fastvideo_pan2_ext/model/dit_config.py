@@ -19,11 +19,11 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from fastvideo_pan2_ext.fastvideo_integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import compat
 from fastvideo_pan2_ext.model.architecture import PAN2TransformerConfig
 
 _REAL = PAN2TransformerConfig()
-_Backends = adapter.symbol("AttentionBackendEnum")
+_Backends = compat.symbol("AttentionBackendEnum")
 
 
 def is_joint_block(name: str, module) -> bool:
@@ -69,7 +69,7 @@ SUPPORTED_ATTENTION_BACKENDS = (_Backends.FLASH_ATTN, _Backends.TORCH_SDPA, _Bac
 
 
 @dataclass
-class PAN2ArchConfig(adapter.symbol("DiTArchConfig")):
+class PAN2ArchConfig(compat.symbol("DiTArchConfig")):
     """The 14 `transformer/config.json` keys (the real PAN2's values by default) and FastVideo's DiT fields."""
 
     _fsdp_shard_conditions: list = field(default_factory=lambda: [is_joint_block, is_refiner_block])
@@ -109,7 +109,7 @@ class PAN2ArchConfig(adapter.symbol("DiTArchConfig")):
 
 
 @dataclass
-class PAN2DiTConfig(adapter.symbol("DiTConfig")):
+class PAN2DiTConfig(compat.symbol("DiTConfig")):
     arch_config: PAN2ArchConfig = field(default_factory=PAN2ArchConfig)
 
     prefix: str = "PAN2"

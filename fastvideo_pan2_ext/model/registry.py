@@ -5,7 +5,7 @@ neither torch nor FastVideo's model code."""
 
 from __future__ import annotations
 
-from fastvideo_pan2_ext.fastvideo_integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import compat
 from fastvideo_pan2_ext.model.architecture import TEXT_ENCODER_CLASS_NAME, TRANSFORMER_CLASS_NAME
 
 # checkpoint class name -> (module, FastVideo's component kind, class)
@@ -17,12 +17,12 @@ MODELS = {
 
 def register_models() -> None:
     """Register every model of `MODELS`. Idempotent."""
-    registry = adapter.symbol("ModelRegistry")
+    registry = compat.symbol("ModelRegistry")
     for architecture, (module, component, class_name) in MODELS.items():
         entry = registry.models.get(architecture)
         if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) == (module, class_name):
             continue
         # FastVideo 0.2.1's documented form, register_model(arch, "module:Class"), fails: it builds its lazy entry
         # with two of the three fields that entry needs (TypeError). The entry is made here, with FastVideo's class.
-        registry.models[architecture] = adapter.symbol("LazyRegisteredModel")(
+        registry.models[architecture] = compat.symbol("LazyRegisteredModel")(
             module_name=module, component_name=component, class_name=class_name)

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fastvideo_pan2_ext.fastvideo_integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import compat
 from fastvideo_pan2_ext.model.architecture import TEXT_ENCODER_CLASS_NAME
 
 
 @dataclass
-class PAN2TextEncoderArchConfig(adapter.symbol("TextEncoderArchConfig")):
+class PAN2TextEncoderArchConfig(compat.symbol("TextEncoderArchConfig")):
     """What FastVideo's loader reads from `text_encoder/config.json` (`architectures` selects the class below)."""
 
     architectures: list[str] = field(default_factory=lambda: [TEXT_ENCODER_CLASS_NAME])
@@ -25,7 +25,7 @@ class PAN2TextEncoderArchConfig(adapter.symbol("TextEncoderArchConfig")):
 
 
 @dataclass
-class PAN2TextEncoderConfig(adapter.symbol("TextEncoderConfig")):
+class PAN2TextEncoderConfig(compat.symbol("TextEncoderConfig")):
     arch_config: PAN2TextEncoderArchConfig = field(default_factory=PAN2TextEncoderArchConfig)
     is_chat_model: bool = True
 

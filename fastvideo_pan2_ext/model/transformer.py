@@ -29,23 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastvideo_pan2_ext.fastvideo_integration import adapter
+from fastvideo_pan2_ext.fastvideo_integration import compat
 from fastvideo_pan2_ext.model.architecture import (LAYER_NORM_EPS, TEXT_RMS_EPS, TIMESTEP_CHANNELS,
                                                    PAN2TransformerConfig, latent_grid)
 from fastvideo_pan2_ext.model.dit_config import PAN2DiTConfig
 
-_ReplicatedLinear = adapter.symbol("ReplicatedLinear")
-_LayerNormScaleShift = adapter.symbol("LayerNormScaleShift")
-_ScaleResidualLayerNormScaleShift = adapter.symbol("ScaleResidualLayerNormScaleShift")
-_ScaleResidual = adapter.symbol("ScaleResidual")
-_MLP = adapter.symbol("MLP")
-_DistributedAttention = adapter.symbol("DistributedAttention")
-_LocalAttention = adapter.symbol("LocalAttention")
+_ReplicatedLinear = compat.symbol("ReplicatedLinear")
+_LayerNormScaleShift = compat.symbol("LayerNormScaleShift")
+_ScaleResidualLayerNormScaleShift = compat.symbol("ScaleResidualLayerNormScaleShift")
+_ScaleResidual = compat.symbol("ScaleResidual")
+_MLP = compat.symbol("MLP")
+_DistributedAttention = compat.symbol("DistributedAttention")
+_LocalAttention = compat.symbol("LocalAttention")
 
 _CONFIG = PAN2DiTConfig()
 
 
-class PAN2RMSNorm(adapter.symbol("RMSNorm")):
+class PAN2RMSNorm(compat.symbol("RMSNorm")):
     """FastVideo's RMSNorm with diffusers' casts: the variance and the normalisation in fp32, the normalised value
     cast to the weight's dtype before the multiply (FastVideo's casts it to the input's dtype, which differs when the
     input is not in the weight's dtype, e.g. fp32 prompt embeddings into a bf16 DiT)."""
@@ -191,7 +191,7 @@ class PAN2JointBlock(nn.Module):
         super().__init__()
         dim = config.inner_dim
         dtype = torch.get_default_dtype()
-        self.video_mod = adapter.symbol("ModulateProjection")(dim, factor=6, act_layer="silu",
+        self.video_mod = compat.symbol("ModulateProjection")(dim, factor=6, act_layer="silu",
                                                               prefix=f"{prefix}.video_mod")
         self.scale_shift_table_context = nn.Parameter(torch.empty(6 * dim))
 
@@ -243,7 +243,7 @@ class PAN2OutputNorm(nn.Module):
         return self.norm(x) * (1 + scale) + shift
 
 
-class PAN2Transformer3DModel(adapter.symbol("BaseDiT")):
+class PAN2Transformer3DModel(compat.symbol("BaseDiT")):
     """PAN2's 29 B MMDiT. forward(hidden_states [B, 2*C+1, T', H, W], encoder_hidden_states [B, L, text_embed_dim]
     (or a one-element list of it), timestep [B] (sigma x 1000)) -> [B, C, T', H, W]."""
 
@@ -266,9 +266,9 @@ class PAN2Transformer3DModel(adapter.symbol("BaseDiT")):
         self.patch_size = arch.patch_size
         prefix = config.prefix
 
-        self.x_embedder = adapter.symbol("PatchEmbed")(list(arch.patch_size), arch.in_channels, dim,
+        self.x_embedder = compat.symbol("PatchEmbed")(list(arch.patch_size), arch.in_channels, dim,
                                                        prefix=f"{prefix}.x_embedder")
-        self.time_embedder = adapter.symbol("TimestepEmbedder")(dim, act_layer="silu",
+        self.time_embedder = compat.symbol("TimestepEmbedder")(dim, act_layer="silu",
                                                                 frequency_embedding_size=TIMESTEP_CHANNELS,
                                                                 prefix=f"{prefix}.time_embedder")
         self.context_embedder = PAN2ContextEmbedder(arch.text_embed_dim, dim, prefix=f"{prefix}.context_embedder")
@@ -306,7 +306,7 @@ class PAN2Transformer3DModel(adapter.symbol("BaseDiT")):
 
         x = self.x_embedder(hidden_states.to(dtype))  # [B, S, D], tokens in (t, h, w) order
         freqs_cis = rope_tables(self.arch, grid, x.device)  # the whole sequence's: applied after the all-to-all
-        x, video_tokens = adapter.symbol("sequence_model_parallel_shard")(x, dim=1)
+        x, video_tokens = compat.symbol("sequence_model_parallel_shard")(x, dim=1)
 
         temb = self.time_embedder(timestep.reshape(-1).expand(batch) if timestep.numel() == 1 else timestep)
         c = self.context_embedder(encoder_hidden_states)
@@ -318,6 +318,6 @@ class PAN2Transformer3DModel(adapter.symbol("BaseDiT")):
             x, c = block(x, c, temb, freqs_cis, video_tokens)
 
         x = self.proj_out(self.norm_out(x, temb))[0]
-        x = adapter.symbol("sequence_model_parallel_all_gather_with_unpad")(x, video_tokens, dim=1)
-        return adapter.symbol("unpatchify")(x, *grid, self.patch_size, self.out_channels)
+        x = compat.symbol("sequence_model_parallel_all_gather_with_unpad")(x, video_tokens, dim=1)
+        return compat.symbol("unpatchify")(x, *grid, self.patch_size, self.out_channels)
 
