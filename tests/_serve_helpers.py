@@ -1,4 +1,4 @@
-"""The PAN2 test server (`tools/serve_load.Server`: `fastvideo serve --config`, the shipped example config pointed at
+"""The PAN2 test server (`bench/serve_load.Server`: `fastvideo serve --config`, the shipped example config pointed at
 the tiny checkpoint, loopback only) with the faults the tests can ask for (`_serve_faults`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tools import serve_load
-from tools.serve_load import EXAMPLE_CONFIG, FASTVIDEO, FRAMES, SIZE, serve_config  # noqa: F401 (the tests' names)
+from bench import serve_load
+from bench.serve_load import EXAMPLE_CONFIG, FASTVIDEO, FRAMES, SIZE, serve_config  # noqa: F401 (the tests' names)
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).resolve().parent / "_serve_faults"  # a sitecustomize that injects the faults

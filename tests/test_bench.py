@@ -1,4 +1,4 @@
-"""tools/bench.py end to end on tiny CPU workloads (both VAE layouts): JSON with timings, memory and a passing audit,
+"""bench/bench.py end to end on tiny CPU workloads (both VAE layouts): JSON with timings, memory and a passing audit,
 direct vs Winograd decodes and layers, and a PNG plot."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools import bench  # noqa: E402
+from bench import bench  # noqa: E402
 
 
 def test_bench_cpu_run_writes_audited_json_and_plot(tmp_path):
@@ -89,6 +89,6 @@ def test_bench_refuses_bad_arguments(argv, message, capsys):
 
 @pytest.mark.slow
 def test_bench_runs_as_a_script_and_as_a_module():
-    for cmd in ([sys.executable, "tools/bench.py", "--help"], [sys.executable, "-m", "tools.bench", "--help"]):
+    for cmd in ([sys.executable, "bench/bench.py", "--help"], [sys.executable, "-m", "bench.bench", "--help"]):
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and "--workload" in result.stdout, result.stderr

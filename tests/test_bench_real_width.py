@@ -1,4 +1,4 @@
-"""tools/bench.py's versus-fp32 workloads (cpu-real-width): ours and diffusers' fp32 decode interleaved, medians,
+"""bench/bench.py's versus-fp32 workloads (cpu-real-width): ours and diffusers' fp32 decode interleaved, medians,
 the audit against diffusers' fp32 output, the op profiles and the per-shape conv layout table; here on a tiny
 decoder of the same layout (the real widths take minutes)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools import bench  # noqa: E402
+from bench import bench  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable import ops  # noqa: E402
 
 

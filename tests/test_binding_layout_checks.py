@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension
-from tools.emulated_extension import EmulatedExtension
+from gpu_check.emulated_extension import EmulatedExtension
 
 bf16, f32 = torch.bfloat16, torch.float32
 ALIGNED = r"must start at a 16-byte aligned address"

@@ -1,4 +1,4 @@
-"""tools/budget.py counts what the decoder computes: its FLOPs, with the upsample counted as convolving the 2x frame,
+"""bench/budget.py counts what the decoder computes: its FLOPs, with the upsample counted as convolving the 2x frame,
 are the FLOPs torch's own counter sees in the reference decoder (diffusers' op order) on the same latents."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fastvideo_pan2_ext import reference
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN21_CONFIG, narrow
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import DECODE_CHECK_CONFIG, random_weights
-from tools import budget
+from bench import budget
 
 NARROW_WAN21 = narrow(WAN21_CONFIG, 8)
 

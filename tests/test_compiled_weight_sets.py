@@ -16,7 +16,7 @@ from fastvideo_pan2_ext.vae_kernel.compiled import kernels
 from fastvideo_pan2_ext.vae_kernel.portable import weights
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import video_shape
 from fastvideo_pan2_ext.vae_kernel.distributed.bands import LocalRows
-from tools.emulated_extension import EmulatedExtension
+from gpu_check.emulated_extension import EmulatedExtension
 from fastvideo_pan2_ext.vae_kernel.portable.passes import PassRunner, collect
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import DECODE_CHECK_CONFIG as CONFIG
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights

@@ -198,7 +198,7 @@ def test_auto_tiles_when_one_frame_per_pass_overflows_the_free_memory(monkeypatc
 
 
 def test_pan2s_default_video_decodes_at_one_frame_per_pass_within_the_16_gib_goal():
-    """The numbers behind the default (bf16 scratch, as on a GPU; `tools/memory_plan.py` prints them): for PAN2's
+    """The numbers behind the default (bf16 scratch, as on a GPU; `bench/memory_plan.py` prints them): for PAN2's
     default video (241 frames at 704x1248, T = 61), frames_per_pass 1 keeps weights, working memory and video within
     DEFAULT_MEMORY_GOAL (11.8 GiB); 2 does not (17.3 GiB)."""
     from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes, video_shape

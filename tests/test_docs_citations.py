@@ -9,8 +9,9 @@ the other ignored folders; not this file, whose examples are planted mistakes):
   `, "Title"`, ` "Title"`, ` ("Title"` or `'s "Title"`, and any further `, "Title"`s; a title may run over lines
   (each line's indentation and comment marker are dropped). The document has a markdown heading whose text is the
   title, or the title and a trailing parenthesis (`## The encoder (`vae_kernel.encoder`, ...)` answers "The encoder").
-- a file: a path whose first folder is one at the repository's root (`tools/`, `bench/`, ...) or a folder of the tree
-  (fastvideo_integration/compat/seams.py: some `fastvideo_integration/` folder holds compat/seams.py), or, in a document, a path from `../`; the
+- a file: a path whose first folder is one at the repository's root (`bench/`, `gpu_check/`, ...) or a folder of the
+  tree (fastvideo_integration/compat/seams.py: some `fastvideo_integration/` folder holds compat/seams.py), or, in a
+  document, a path from `../`; the
   file exists, and a `:LINE` after it is at most its line count. Placeholders (`<date>`, `*`, `X.json`, `DATE`) are
   not citations. A bare `name.py:LINE` names another project's file (FastVideo's) and is not checked.
 - a module path: a dotted name in backquotes whose leading parts end the dotted path of one of the tree's modules
@@ -324,13 +325,14 @@ def test_every_cited_module_path_exists():
 def test_the_checks_see_the_forms_in_use():
     """Each form a citation takes in this repository is read, and a wrong one is named (in a text read as if it were a
     file of the tree; nothing is written)."""
-    citing = REPO / "tools" / "planted_citations.py"
+    citing = REPO / "bench" / "planted_citations.py"
     lines = ['"""docs/design.md, "Definitions"; docs/design.md "Winograd"; docs/design.md ("Rooms");',  # 1
              'docs/design.md, "Out-of-memory',  # 2
              '    retries", "Definitions"; [docs/diffusers.md](docs/diffusers.md),',  # 3
              '"`enable_fast_encode`"; README, "Serving"; README\'s "Try it"; docs/fastvideo.md, "Scaling out".',  # 4
              'docs/design.md, "No such section"; docs/nowhere.md, "Rooms"; the bar ("VAE decode")',  # 5
-             "tests/test_docs_citations.py:1 tools/no_such_tool.py fastvideo_integration/no_such.py fastvideo_integration/compat/seams.py",  # 6
+             "tests/test_docs_citations.py:1 gpu_check/no_such_script.py fastvideo_integration/no_such.py "
+             "fastvideo_integration/compat/seams.py",  # 6
              "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py",  # 7
              "`vae_kernel.definitions.precision.exact_fp32` `vae_kernel.precision.exact_fp32` `memory.retry_plan`",  # 8
              "`memory.no_such_plan` `torch.equal` `fa4.py` `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder`",  # 9
@@ -342,18 +344,18 @@ def test_the_checks_see_the_forms_in_use():
                         (2, "Definitions"), (3, "`enable_fast_encode`"), (4, "Serving"), (4, "Try it"),
                         (4, "Scaling out"), (5, "No such section"), (5, "Rooms")]
     assert broken_section_citations(citing, text) == [
-        'tools/planted_citations.py:5: docs/design.md, "No such section": no such heading in docs/design.md',
-        'tools/planted_citations.py:5: docs/nowhere.md, "Rooms": no such document']
+        'bench/planted_citations.py:5: docs/design.md, "No such section": no such heading in docs/design.md',
+        'bench/planted_citations.py:5: docs/nowhere.md, "Rooms": no such document']
     assert broken_file_citations(citing, text) == [
-        "tools/planted_citations.py:5: docs/nowhere.md: no such file",
-        "tools/planted_citations.py:6: tools/no_such_tool.py: no such file",
-        "tools/planted_citations.py:6: fastvideo_integration/no_such.py: no such file",
-        "tools/planted_citations.py:7: tests/test_docs_citations.py:100000: past the file's end"]
+        "bench/planted_citations.py:5: docs/nowhere.md: no such file",
+        "bench/planted_citations.py:6: gpu_check/no_such_script.py: no such file",
+        "bench/planted_citations.py:6: fastvideo_integration/no_such.py: no such file",
+        "bench/planted_citations.py:7: tests/test_docs_citations.py:100000: past the file's end"]
     assert broken_module_paths(citing, text) == [
-        ("tools/planted_citations.py:8: `vae_kernel.precision.exact_fp32`: no module vae_kernel.precision and no "
+        ("bench/planted_citations.py:8: `vae_kernel.precision.exact_fp32`: no module vae_kernel.precision and no "
          "precision in vae_kernel"),
-        "tools/planted_citations.py:8: `memory.retry_plan`: no module memory.retry_plan and no retry_plan in memory",
-        ("tools/planted_citations.py:9: `memory.no_such_plan`: no module memory.no_such_plan and no no_such_plan in "
+        "bench/planted_citations.py:8: `memory.retry_plan`: no module memory.retry_plan and no retry_plan in memory",
+        ("bench/planted_citations.py:9: `memory.no_such_plan`: no module memory.no_such_plan and no no_such_plan in "
          "memory"),
-        ("tools/planted_citations.py:10: `weights.PreparedWeights.no_such_method`: class weights.PreparedWeights "
+        ("bench/planted_citations.py:10: `weights.PreparedWeights.no_such_method`: class weights.PreparedWeights "
          "defines no no_such_method")]

@@ -23,7 +23,7 @@ from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes
 from fastvideo_pan2_ext.vae_kernel.portable import encoder_network, passes
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import BY_DESIGN, make_ops
-from tools.emulated_extension import EmulatedExtension
+from gpu_check.emulated_extension import EmulatedExtension
 
 LAYOUTS = {  # (a seeded narrow VAE, a video size it takes: Wan2.1 odd on purpose, Wan2.2 a multiple of 16)
     "wan21": (lambda: make_wan21_vae(seed=3, base_dim=8, z_dim=16), (45, 59)),
@@ -399,7 +399,7 @@ def test_the_compiled_backend_needs_a_gpu_one_line_each():
 
 
 def test_a_bf16_encode_runs_the_compiled_tables_kernels_exactly_across_plans_and_counts_what_runs_portable(layout):
-    """The compiled table (its CPU stand-in, `tools.emulated_extension`: the binding's functions and rounding points
+    """The compiled table (its CPU stand-in, `gpu_check.emulated_extension`: the binding's functions and rounding points
     in torch) serves the encoder's stride-1 convs and norms in bf16, within the allowance of diffusers' bf16 encode
     against its fp32 one; its plans give the same moments bit for bit; what the kernels never take (conv_in's 3 or 12
     input channels, the stride-2 convs, patchify) runs portable and is counted, and nothing else is."""

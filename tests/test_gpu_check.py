@@ -1,7 +1,7 @@
-"""tools/gpu_check.sh rehearsed the way the GPU machine runs it, on CPU (docs/gpu-check.md): both parts.
+"""gpu_check/gpu_check.sh rehearsed the way the GPU machine runs it, on CPU (docs/gpu-check.md): both parts.
 
 The GPU machine gets a bare copy of the tree (what git tracks or would track; this package not installed), the bundle
-of `tools/make_gpu_bundle.sh`, a Python with its own packages only, and runs the script from the tree's root. Here:
+of `gpu_check/make_gpu_bundle.sh`, a Python with its own packages only, and runs the script from the tree's root. Here:
 the same copy; a Python 3.12 venv whose only packages are those of this venv that the GPU machine's image also holds
 (linked into one folder that a `.pth` line adds: none of this venv's start-up hooks, this package's editable finder
 included, ever runs); cwd = the tree's root; `--dry-run`, where the build really compiles sm_90a and the compiled
@@ -86,7 +86,7 @@ def machine(tmp_path_factory):
     """(tree, python, environment) as the GPU machine would have them, the bundle made here and carried."""
     root = tmp_path_factory.mktemp("gpu-machine")
     tree = copy_source_tree(root / "tree")
-    subprocess.run(["bash", "tools/make_gpu_bundle.sh"], cwd=tree, check=True, timeout=600,
+    subprocess.run(["bash", "gpu_check/make_gpu_bundle.sh"], cwd=tree, check=True, timeout=600,
                    env=dict(os.environ, PYTHON=sys.executable))
     python = _gpu_machine_python(root)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -100,8 +100,8 @@ def machine(tmp_path_factory):
 def _dry_run(machine, out: Path, part: int, *extra: str) -> tuple[subprocess.CompletedProcess, dict, float]:
     tree, env = machine
     start = time.monotonic()
-    done = subprocess.run(["bash", "tools/gpu_check.sh", "--part", str(part), "--dry-run", "--out", str(out), *extra],
-                          cwd=tree, env=env, capture_output=True, text=True, timeout=2250)
+    command = ["bash", "gpu_check/gpu_check.sh", "--part", str(part), "--dry-run", "--out", str(out), *extra]
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=2250)
     wall = time.monotonic() - start
     report = json.loads((out / f"gpu_check_dry_run_part{part}.json").read_text())
     print(f"\ndry-run rehearsal of part {part}: {wall:.0f} s wall, {report.get('total_seconds')} s in the check")
@@ -207,7 +207,7 @@ def _check_pan2_block(result: dict, summary: dict) -> None:
 def test_every_step_s_cap_is_seconds_and_the_pan2_block_follows_the_first_compiled_timing():
     """On a GPU a step's limit is min(cap, time left): a cap that is not a number would stop the whole part there
     (the dry run never reads caps)."""
-    from tools import gpu_check
+    from gpu_check import gpu_check
 
     for part in (1, 2):
         for sizes in (gpu_check.FULL, gpu_check.DRY):
@@ -424,7 +424,8 @@ def test_a_deadline_too_short_for_everything_still_times_t_max_and_lists_what_it
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_and_without_dry_run_it_says_so(tmp_path):
     for part in ("1", "2"):
-        done = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--part", part, "--out", str(tmp_path)],
+        script = REPO / "gpu_check" / "gpu_check.sh"
+        done = subprocess.run(["bash", str(script), "--part", part, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 2
         assert "no CUDA GPU" in done.stderr

@@ -11,7 +11,7 @@ import copy
 import pytest
 from _source_tree import REPO
 
-from tools import gpu_check
+from gpu_check import gpu_check
 
 OPTIONS = ("dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload", "use_fsdp_inference")
 

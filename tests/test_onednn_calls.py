@@ -1,4 +1,4 @@
-"""tools/onednn_calls.py reads oneDNN's own log: here a real log of a few convs, before and after its mark."""
+"""bench/onednn_calls.py reads oneDNN's own log: here a real log of a few convs, before and after its mark."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tools import onednn_calls  # noqa: E402
+from bench import onednn_calls  # noqa: E402
 
 _CONVS = """
 import torch

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastvideo_pan2_ext.vae_kernel.compiled import build, verification
-from tools.emulated_extension import open_variant, stand_in
+from gpu_check.emulated_extension import open_variant, stand_in
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 
 pytestmark = pytest.mark.slow  # each self-check child takes 10-20 s here
@@ -33,7 +33,7 @@ sys.addaudithook(lambda event, args: children.append(1)
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
 from fastvideo_pan2_ext.vae_kernel.compiled import loader
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
-from tools.emulated_extension import stand_in
+from gpu_check.emulated_extension import stand_in
 errors = []
 for _ in range(2):
     try:

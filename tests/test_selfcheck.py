@@ -22,7 +22,7 @@ from fastvideo_pan2_ext.vae_kernel.compiled import loader, selfcheck, verificati
 from fastvideo_pan2_ext.vae_kernel.portable import ops, weights
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG
-from tools.emulated_extension import EmulatedExtension, stand_in
+from gpu_check.emulated_extension import EmulatedExtension, stand_in
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import CompiledUnavailable
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops
 

@@ -18,7 +18,7 @@ import pytest
 from _pan2_helpers import exif_rotated_jpeg, video_frames_and_size
 from _serve_helpers import FAULT_PROMPT, FRAMES, SIZE, Server, serve_config
 
-from tools import serve_load
+from bench import serve_load
 
 pytestmark = pytest.mark.slow
 

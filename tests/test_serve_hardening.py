@@ -29,7 +29,7 @@ import yaml
 from _pan2_helpers import free_port
 from _serve_helpers import FRAMES, SIZE, Server
 
-from tools import serve_load
+from bench import serve_load
 
 LIMITS = {"header_timeout_s": 2, "body_timeout_s": 3, "max_queued_jobs": 3}  # the rest: the defaults
 # 100 steps of 5,040 tokens: a minute or more of denoising even on a fast idle CPU (each such job is deleted)

@@ -16,7 +16,7 @@ from _pan2_helpers import exif_rotated_jpeg
 from _serve_helpers import FRAMES, SIZE, serve_config
 
 from fastvideo_pan2_ext.fastvideo_integration import scale_out
-from tools import serve_load
+from bench import serve_load
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Winograd F(2x2, 3x3) / F(4x4, 3x3) (vae_kernel/portable/winograd.py): the transforms are exact in fp32, the bf16 rounding
 points keep F(2x2) inside the decoder's allowance op by op and for a whole decode, and the op table dispatches and
-caches as documented. The error study behind the numbers is tools/winograd_error.py."""
+caches as documented. The error study behind the numbers is bench/winograd_error.py."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG,
 from fastvideo_pan2_ext.vae_kernel.compiled import build, extension
 from fastvideo_pan2_ext.vae_kernel.portable import winograd
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import compare_to_reference
-from tools.emulated_extension import EmulatedExtension
+from gpu_check.emulated_extension import EmulatedExtension
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import CompiledKernels, make_ops, winograd_kernel_weights
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights, reference_conv3d

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 # The layer shapes (Co, Ci, kt) whose convs run by Winograd under conv_algorithm "auto", per GPU model, as the GPU
-# check measured them (tools/gpu_check.py, conv_bench: Winograd faster than direct and within the allowance). A GPU
+# check measured them (gpu_check/gpu_check.py, conv_bench: Winograd faster than direct and within the allowance). A GPU
 # without an entry, and the CPU (where the portable Winograd conv is about 2x slower than direct), run direct.
 MEASURED_WINOGRAD_LAYERS: dict[str, frozenset[tuple[int, int, int]]] = {}
 

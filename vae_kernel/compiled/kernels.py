@@ -2,7 +2,7 @@
 
 `make_ops(ext)` is `ops.TORCH_OPS` with conv3d, rms_norm_silu and upsample2x_conv3x3 replaced by the extension's
 kernels (channels-last bf16, destination passing, the current CUDA stream). `ext` is the built extension or anything
-with its functions (on CPU, the stand-in `tools/emulated_extension.py`). A call the kernels do not cover (not bf16, a
+with its functions (on CPU, the stand-in `gpu_check/emulated_extension.py`). A call the kernels do not cover (not bf16, a
 layout the TMA alignment rules out) goes to the portable op, so the table is total, and is counted in the table's
 `fallbacks` (op and reason): a fallback is never silent. `make_ops(ext, winograd_convs=True)` runs the (kt, 3, 3)
 convs by the Winograd F(2x2, 3x3) kernels instead (`winograd.WinogradConv3d`'s dispatch and per-layer weight cache;

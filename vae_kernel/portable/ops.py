@@ -181,7 +181,7 @@ def tiny_call_rows(out_spatial, device: torch.device) -> int:
 
 
 # A prepared CPU conv weight -> (its version, oneDNN's blocked copy of it: `prepack`), so that its conv does not reorder
-# the weight on every call (tools/onednn_calls.py measures both). An entry lives as its weight does. What keeps it
+# the weight on every call (bench/onednn_calls.py measures both). An entry lives as its weight does. What keeps it
 # sound is that a prepared weight is never written after it is made (a changed VAE weight is prepared into a new
 # tensor: `weights.PreparedWeights`); the version only catches an in-place op on the weight itself, not a write through
 # `.data` (which bypasses the counter), nor anything on an inference tensor (which has none).

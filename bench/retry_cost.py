@@ -1,6 +1,6 @@
 """What an out-of-memory retry costs (docs/design.md, "Out-of-memory retries"), on CPU.
 
-    python tools/retry_cost.py [--frames 5] [--height 4] [--width 6] [--repeats 3]
+    python bench/retry_cost.py [--frames 5] [--height 4] [--width 6] [--repeats 3]
 
 Times, in one run, median of `--repeats` (single-threaded, so that the two shared cores do not skew the ratio):
 - `direct`: a decode planned at 2 latent frames per pass from the start;
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 
-from tools.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import TORCH_OPS, WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, WanVAEConfig, expected_shapes  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.planning.memory import MemoryPlanner, Plan  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     for kind, plans in pan2.items():
         print(f"PAN2's video, {kind}, every plan failing: " + " -> ".join(plans))
     result = {
-        "command": "python tools/retry_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python bench/retry_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {cpu_name()}, 1 thread",
         "model": "narrow Wan2.2 layout (bench.py's cpu-tiny widths), seeded random weights",

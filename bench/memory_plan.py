@@ -1,7 +1,7 @@
 """Peak working memory of the real Wan2.2 decoder by frames_per_pass, from the planner's replay on the meta device
 (no GPU needed; docs/design.md, "The decoder": memory planner).
 
-    python tools/memory_plan.py [--frames 49] [--height 704] [--width 1248] [--fpp 1 2 4 8] [--tile-rows 11 4 2]
+    python bench/memory_plan.py [--frames 49] [--height 704] [--width 1248] [--fpp 1 2 4 8] [--tile-rows 11 4 2]
 
 The replay counts what the decoder allocates beyond its weights, latents and the returned video, with the portable
 ops' scratch at bf16 (what a GPU decode computes in); it writes bench/results/memory-plan-<date>.json.
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                       "decode_iter_working_peak_gib": round(stream, 2)})
         print(f"tile_rows {tile_rows}: working peak {decode:.2f} GiB (decode_iter: {stream:.2f} GiB)")
     date = datetime.date.today().isoformat()
-    result = {"command": "python tools/memory_plan.py " + " ".join(argv or sys.argv[1:]), "date": date,
+    result = {"command": "python bench/memory_plan.py " + " ".join(argv or sys.argv[1:]), "date": date,
               "latents": list(shape), "video_frames": video_shape(WAN22_CONFIG, shape)[2], "rows": rows,
               "tiles": tiles,
               "note": "replay of the portable path's buffers and scratch at bf16 on the meta device; an estimate "

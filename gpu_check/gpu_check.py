@@ -1,4 +1,4 @@
-"""The GPU check of the compiled decoder, in two commands (run it through tools/gpu_check.sh; docs/gpu-check.md says
+"""The GPU check of the compiled decoder, in two commands (run it through gpu_check/gpu_check.sh; docs/gpu-check.md says
 how, docs/design.md, "The GPU check", why).
 
 Part 1 (`--part 1`, about 280 s on an H200): what decides the design, first.
@@ -50,7 +50,7 @@ replaced atomically after every step. Each compiled decode records the calls its
 compiled step that ran passed.
 
 `--dry-run` runs all of it on CPU at tiny sizes: the build really compiles (sm_90a, compile-only), and the compiled
-decoder is the emulated extension (`tools/emulated_extension.py`, the Winograd kernels' API too) loaded through
+decoder is the emulated extension (`gpu_check/emulated_extension.py`, the Winograd kernels' API too) loaded through
 the same loader and child-process self-check as a built one; `--stand-in emulated-abort` makes every compiled child
 die, to prove the isolation. The dry run is single-threaded (`single_threaded_cpu`).
 """
@@ -100,9 +100,9 @@ from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.kernels import BY_DESIGN, CompiledKernels, make_ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS, Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.precision import exact_fp32  # noqa: E402
-from tools.bench import conv_layer_inputs, conv_speeds, measure  # noqa: E402
-from tools.emulated_extension import VARIANTS as STAND_INS, stand_in as stand_in_source  # noqa: E402
-from tools.winograd_error import conv_layers  # noqa: E402
+from bench.bench import conv_layer_inputs, conv_speeds, measure  # noqa: E402
+from bench.winograd_error import conv_layers  # noqa: E402
+from gpu_check.emulated_extension import VARIANTS as STAND_INS, stand_in as stand_in_source  # noqa: E402
 
 # layout -> (the real decoder, the dry run's narrow one)
 CONFIGS = {"wan22": (WAN22_CONFIG, narrow(WAN22_CONFIG, 8, z_dim=8)), "wan21": (WAN21_CONFIG, narrow(WAN21_CONFIG, 8))}

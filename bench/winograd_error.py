@@ -1,7 +1,7 @@
 """How far Winograd F(2x2, 3x3) and F(4x4, 3x3) move the Wan2.2 decoder from the fp32 reference, per layer and per
 whole decode, judged by the decoder's allowance (max|d| and RMS(d) within 3x the bf16 baseline's).
 
-    python -m tools.winograd_error --threads 2      # writes bench/results/winograd-error-2026-11-30.json (+ .md)
+    python -m bench.winograd_error --threads 2      # writes bench/results/winograd-error-2026-11-30.json (+ .md)
 
 Per layer: every distinct (kt, 3, 3) conv shape of the real Wan2.2 decoder (conv_in 48->1024, the 1024/512/256
 resnet convs, conv_out 256->12), on a few frames of a small frame, with inputs drawn like the decoder's activations
@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):  # `python tools/winograd_error.py`: make the repository's package importable
+if __package__ in (None, ""):  # `python bench/winograd_error.py`: make the repository's package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import (  # noqa: E402
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     result = {
         "date": datetime.date.today().isoformat(),
-        "command": "python -m tools.winograd_error " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.winograd_error " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.platform()}",
         "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
         "allowance": f"max|d| and RMS(d) <= {ALLOWANCE} x the baseline's, against the fp32 reference",

@@ -2,7 +2,7 @@
 under `enable_tiling()`) against the same VAE with `fastvideo_pan2_ext.enable_fast_decode` (untiled and under
 `enable_tiling()`), on the same seeded latents.
 
-    python tools/diffusers_bench.py --threads 2 --repeats 3        # writes bench/results/diffusers-cpu-<date>.json
+    python bench/diffusers_bench.py --threads 2 --repeats 3        # writes bench/results/diffusers-cpu-<date>.json
 
 Each method runs in its own child process (so its peak memory is its own): the VAE and latents are made, then the
 decode runs `--repeats` times; recorded are the median wall time, the peak RSS added by the first decode (ru_maxrss
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python tools/diffusers_bench.py`: import the repository's package
+if __package__ in (None, ""):  # `python bench/diffusers_bench.py`: import the repository's package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 # name -> (VAE dtype, diffusers' enable_tiling(), the fast decoder)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     record = {
         "date": date, "machine": f"{cpu_name()}, {os.cpu_count()} cores, no GPU", "threads": args.threads,
         "torch": torch.__version__, "diffusers": __import__("diffusers").__version__,
-        "command": "python tools/diffusers_bench.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/diffusers_bench.py " + " ".join(sys.argv[1:]),
         "vae": f"AutoencoderKLWan (Wan2.1 layout), base_dim {args.base_dim}, z_dim 16, seeded random weights",
         "video": [1, 3, 4 * args.latent_frames - 3, args.height, args.width],
         "diffusers_tiles": "enable_tiling() defaults: 256 x 256 sample pixels, stride 192",

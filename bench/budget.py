@@ -3,7 +3,7 @@ byte budget"). Counted, not estimated by hand: the decoder's own network runs on
 that records every hot call's FLOPs and bytes, and a dispatch mode counts the bytes every other tensor op (the glue:
 history windows, copies, padding) reads and writes.
 
-    python tools/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4 1]
+    python bench/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4 1]
 
 Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the
 least any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                        "tflop_by_kind": {k: v / 1e12 for k, v in sorted(counts["flops"].items())},
                        "gb_by_kind": {k: v / 1e9 for k, v in sorted(counts["bytes"].items(), key=lambda kv: -kv[1])}}
     date = datetime.date.today().isoformat()
-    result = {"command": "python tools/budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python bench/budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": date, "config": "Wan2.2 (real widths)", "latent_frames": args.frames,
               "video": [4 * args.frames - 3, args.height, args.width],
               "rates": {"gemm_tflops": GEMM_FLOPS / 1e12, "copy_tb_s": COPY_BYTES / 1e12},

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What tools/gpu_check.sh needs beyond the GPU machine's own packages (torch, numpy, pillow, transformers, imageio,
+# What gpu_check/gpu_check.sh needs beyond the GPU machine's own packages (torch, numpy, pillow, transformers, imageio,
 # safetensors, ...; see docs/gpu-check.md), into build/gpu_bundle (git-ignored; carry it):
 #   cutlass.tar.xz  CUTLASS headers (include/ and tools/util/include/) from the nvidia-cutlass wheel, compressed
 #                   (28 MB of headers in about 1 MB; gpu_check.sh unpacks them into a temporary folder)

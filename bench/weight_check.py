@@ -3,7 +3,7 @@ decode runs it first: docs/design.md, "What a weight change costs"), median of -
 the weights from scratch (`release_weights` then `sync_weights`: what a decode pays after the VAE came back to the
 device).
 
-    python tools/weight_check.py [--decoder-base-dim 256] [--dtype bf16] [--cpu-compute fp32|bf16] [--out FILE]
+    python bench/weight_check.py [--decoder-base-dim 256] [--dtype bf16] [--cpu-compute fp32|bf16] [--out FILE]
 
 The VAE is a module holding only the decoder's weights (seeded random, the Wan2.2 layout at the given decoder width,
 drawn tensor by tensor), so the real width (256) fits a small machine: in bf16 1.1 GB, and the decoder's prepared
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python tools/weight_check.py`: the repository's package importable as in `-m` use
+if __package__ in (None, ""):  # `python bench/weight_check.py`: the repository's package importable as in `-m` use
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.bench import cpu_computing_in  # noqa: E402
-from tools.machine import cpu_name  # noqa: E402
+from bench.bench import cpu_computing_in  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import seeded_parameter  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import WAN22_CONFIG, expected_shapes  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
         assert not decoder.sync_weights()  # nothing changed: the check replaced nothing
         prepare = timed(lambda: (decoder.release_weights(), decoder.sync_weights()), args.repeats)
     result = {
-        "command": "python tools/weight_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python bench/weight_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "decoder_base_dim": args.decoder_base_dim, "vae_dtype": args.dtype,
         "cpu_compute": args.cpu_compute or "as this CPU", "vae_decoder_bytes": source_bytes,

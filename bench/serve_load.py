@@ -3,7 +3,7 @@ example config pointed at a checkpoint, loopback only): requests per minute at c
 the ratio to serial, every video checked against its serial run by content. Every loop is bounded in count and time;
 the server's whole session is stopped at the end, whatever happened.
 
-    .venv/bin/python tools/serve_load.py CHECKPOINT [--requests 8] [--concurrency 1 4] [--replicas N]
+    .venv/bin/python bench/serve_load.py CHECKPOINT [--requests 8] [--concurrency 1 4] [--replicas N]
                                          [--out bench/results/X.json]
 
 `--replicas N`: the same server scaled out (`server.replicas: N`, Ray Serve); each request's job gets its own session
@@ -273,7 +273,7 @@ def main() -> None:
         run["ratio_to_serial"] = round(run["requests_per_min"] / serial["requests_per_min"], 3)
         run["same_videos_as_serial"] = run["sha256_by_seed"] == serial["sha256_by_seed"]
     argv = [a if a != sys.argv[1] else f"<checkpoint {args.checkpoint.name}>" for a in sys.argv[1:]]
-    result = {"command": "tools/serve_load.py " + " ".join(argv), "date": datetime.date.today().isoformat(),
+    result = {"command": "bench/serve_load.py " + " ".join(argv), "date": datetime.date.today().isoformat(),
               "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                           "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},
               "request": {"size": SIZE, "num_frames": FRAMES, "num_inference_steps": STEPS},

@@ -1,7 +1,7 @@
 """Which of FastVideo's registered pipeline configs can take the fast decoder's switch
 (`vae_config.decode_kernel`, docs/design.md "The fast decoder in FastVideo"), measured on the installed FastVideo.
 
-    python tools/wan_vae_pipelines.py   # writes bench/results/wan-vae-pipelines-<date>.json (+ .md)
+    python bench/wan_vae_pipelines.py   # writes bench/results/wan-vae-pipelines-<date>.json (+ .md)
 
 For every entry of FastVideo's config registry (`fastvideo.registry._CONFIG_REGISTRY`, what
 `get_pipeline_config_cls_from_name` resolves a model to; its HF ids from `_MODEL_HF_PATH_TO_NAME`, its detectors from
@@ -30,7 +30,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python tools/wan_vae_pipelines.py`: make the repository's package importable
+if __package__ in (None, ""):  # `python bench/wan_vae_pipelines.py`: make the repository's package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -42,7 +42,7 @@ from fastvideo.configs.models.vaes import WanVAEConfig  # noqa: E402
 from fastvideo_pan2_ext.fastvideo_integration import fast_decode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
-COMMAND = "python tools/wan_vae_pipelines.py"
+COMMAND = "python bench/wan_vae_pipelines.py"
 
 # Configs whose VAE FastVideo's loader builds from another class than AutoencoderKLWan (VAELoader.load in
 # fastvideo/models/loader/component_loader.py, 0.2.1 line numbers), so AutoencoderKLWan.decode never runs.

@@ -5,7 +5,7 @@ symlinks to every entry (A) or to every entry but fastvideo_pan2_ext-plugins.pth
 the two runs is that file. Runs are interleaved; medians are reported. Also prints what the hook leaves in
 sys.modules and `-X importtime` lines mentioning the package.
 
-    .venv/bin/python tools/startup_cost.py [--runs 15]
+    .venv/bin/python bench/startup_cost.py [--runs 15]
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Benchmark and audit of the fast Wan VAE decoder (Wan2.2 and Wan2.1 layouts) against the release bf16 decode.
 
-    python -m tools.bench --workload cpu-narrow --threads 1            # CPU: narrow widths, small frames
-    python -m tools.bench --workload cpu-wan21-narrow --threads 1      # CPU: the Wan2.1 layout, narrow widths
-    python tools/bench.py --workload gpu-real --frames 2 31 49 121     # GPU: the real decoder at 704x1248
-    python -m tools.bench --conv-algorithms direct winograd --conv-layers   # direct vs Winograd F(2x2, 3x3)
-    python -m tools.bench --workload cpu-real-width --threads 2 --profile   # CPU: the real widths vs diffusers fp32
+    python -m bench.bench --workload cpu-narrow --threads 1            # CPU: narrow widths, small frames
+    python -m bench.bench --workload cpu-wan21-narrow --threads 1      # CPU: the Wan2.1 layout, narrow widths
+    python bench/bench.py --workload gpu-real --frames 2 31 49 121     # GPU: the real decoder at 704x1248
+    python -m bench.bench --conv-algorithms direct winograd --conv-layers   # direct vs Winograd F(2x2, 3x3)
+    python -m bench.bench --workload cpu-real-width --threads 2 --profile   # CPU: the real widths vs diffusers fp32
 
 For each workload and latent frame count T it decodes the same seeded latents with
 - the fast decoder (`WanVAEDecoder`, each requested backend, conv algorithm and rank count),
@@ -25,7 +25,7 @@ decode (the top ops by self CPU time). Needs diffusers.
 `--conv-layers` also times each distinct (kt, 3, 3) conv of the workload's decoder on a small input, by the backend's
 direct conv3d and by its Winograd table's (`backends.select_ops(backend, device, "direct" | "winograd")`): TFLOP/s
 effective (the direct conv's FLOPs / time) and actual (the Winograd GEMMs' FLOPs / time), and which is faster
-(JSON: the workload's "conv_layers"). `conv_layer_inputs` and `conv_speeds` are shared with tools/gpu_check.py.
+(JSON: the workload's "conv_layers"). `conv_layer_inputs` and `conv_speeds` are shared with gpu_check/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python tools/bench.py`: make the repository's package importable as in `-m` use
+if __package__ in (None, ""):  # `python bench/bench.py`: make the repository's package importable as in `-m` use
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from fastvideo_pan2_ext import reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.allowance import ALLOWANCE, compare_to_reference  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (WAN21_CONFIG, WAN22_CONFIG,  # noqa: E402
                                                                     WanVAEConfig, diffusers_arguments, narrow)
 from fastvideo_pan2_ext.vae_kernel.options import argparse_type  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.compiled.selfcheck import random_weights  # noqa: E402
-from tools.winograd_error import conv_layers  # noqa: E402
+from bench.winograd_error import conv_layers  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
@@ -511,7 +511,7 @@ def fast_decoders(sd_on_device: dict, args, device: torch.device) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Direct vs Winograd, layer by layer (shared with tools/gpu_check.py)
+# Direct vs Winograd, layer by layer (shared with gpu_check/gpu_check.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -684,7 +684,7 @@ def main(argv=None) -> dict:
         "date": date, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m bench.bench", *(argv if argv is not None else sys.argv[1:])]),
         "allowance": f"max|d| and RMS(d) <= {ALLOWANCE} x the release bf16 decode's, against the fp32 reference",
         "workloads": [],
     }

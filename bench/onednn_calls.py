@@ -2,10 +2,10 @@
 prepacked (`ops.prepack`, what `weights.load` does on a CPU computing in bf16) and without (every weight reordered on
 every call, as before the prepacking). docs/benchmarks.md, "After, bf16 compute on a CPU with AMX-BF16".
 
-    python tools/onednn_calls.py [--threads 2]
+    python bench/onednn_calls.py [--threads 2]
 
 Each mode runs in its own process: the real Wan2.2 decoder with seeded weights on latents [1, 48, 3, 4, 6] (the
-`cpu-real-width` workload of tools/bench.py), a warm-up decode, then one logged decode. Per primitive kind
+`cpu-real-width` workload of bench/bench.py), a warm-up decode, then one logged decode. Per primitive kind
 (convolution, reorder, ...): the calls, their summed exec time (ms, oneDNN's own) and the implementations named; and
 whether the two modes' videos are the same bit for bit. Writes bench/results/onednn-calls-<date>.json.
 """
@@ -71,14 +71,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import torch  # noqa: PLC0415
 
-    from tools.machine import cpu_name  # noqa: PLC0415
+    from bench.machine import cpu_name  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as scratch:
         modes = {mode: run(mode, args.threads, Path(scratch) / f"{mode}.pt") for mode in ("unpacked", "prepacked")}
         videos = [torch.load(Path(scratch) / f"{mode}.pt") for mode in modes]
     date = datetime.date.today().isoformat()
     report = {"date": date, "device_name": cpu_name(), "threads": args.threads, "torch": torch.__version__,
-              "command": "python tools/onednn_calls.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python bench/onednn_calls.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "latents": [1, 48, 3, 4, 6], "modes": modes, "same_video": bool(torch.equal(*videos))}
     out = Path(args.out or REPO / "bench" / "results" / f"onednn-calls-{date}.json")
     out.write_text(json.dumps(report, indent=1) + "\n")

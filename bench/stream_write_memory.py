@@ -1,7 +1,7 @@
 """Peak CPU memory of saving a decoded clip to mp4: whole (decode, then save every frame, as FastVideo's save step
 does) versus streamed (`decode_iter` -> `write_video_stream`, frames written as they come).
 
-    python tools/stream_write_memory.py --frames 17 --latent-hw 22 39        # runs both modes, each in a child
+    python bench/stream_write_memory.py --frames 17 --latent-hw 22 39        # runs both modes, each in a child
 
 Each mode runs in its own process (peak RSS = the child's ru_maxrss); weights are seeded random, narrow widths
 (decoder_base_dim 8), so the video and its conversions, not the decoder, dominate. Prints one JSON line per mode.

@@ -2,7 +2,7 @@
 video to the parent, which quantises and saves it) versus PAN2's streamed save (the worker's decoding stage writes
 the mp4 while it decodes), both with `vae_decode_kernel=True`, on the tiny checkpoint, CPU.
 
-    python tools/pipeline_save_memory.py --frames 481 --height 256 --width 384 --out bench/results/x.jsonl
+    python bench/pipeline_save_memory.py --frames 481 --height 256 --width 384 --out bench/results/x.jsonl
 
 Each mode runs in its own process: the parent's peak RSS is its ru_maxrss, the worker's is RUSAGE_CHILDREN's after
 FastVideo's shutdown has joined it. The baseline turns the streamed save off by making `stream_save.streams` answer
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             return proc.returncode
         record = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
         record.update(date=time.strftime("%Y-%m-%d"), machine=f"{platform.machine()} {os.cpu_count()} cores, no GPU",
-                      command=" ".join(["python", "tools/pipeline_save_memory.py", *(argv or sys.argv[1:])]))
+                      command=" ".join(["python", "bench/pipeline_save_memory.py", *(argv or sys.argv[1:])]))
         line = json.dumps(record)
         print(line)
         if args.out is not None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fastvideo_pan2_ext.vae_kernel.compiled.extension import ExtensionSource
 from fastvideo_pan2_ext.vae_kernel.portable import winograd
 
-REPO = Path(__file__).resolve().parents[1]  # where `tools` imports from
+REPO = Path(__file__).resolve().parents[1]  # where `gpu_check` imports from
 
 # The stand-ins: a correct one, one outside the allowance, one whose first kernel call kills its process.
 VARIANTS = {"emulated": {}, "emulated-wrong": {"conv_error": 0.05}, "emulated-abort": {"abort": True}}

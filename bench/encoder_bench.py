@@ -1,6 +1,6 @@
 """The fast encoder measured on a CPU at the real widths, against diffusers' encode in the same run.
 
-    python tools/encoder_bench.py --threads 2 --repeats 3     # writes bench/results/encoder-cpu-<date>.json and .png
+    python bench/encoder_bench.py --threads 2 --repeats 3     # writes bench/results/encoder-cpu-<date>.json and .png
 
 Three measurements, each on real-width Wan VAEs with seeded random weights (the architecture sets the cost; the
 weights' values do not):
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-if __package__ in (None, ""):  # `python tools/encoder_bench.py`: import the repository's package
+if __package__ in (None, ""):  # `python bench/encoder_bench.py`: import the repository's package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import (  # noqa: E402
@@ -39,7 +39,7 @@ from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes  # noqa: E40
 from fastvideo_pan2_ext.vae_kernel.portable import encoder_network  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.passes import EncodeRunner  # noqa: E402
-from tools.machine import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 LAYOUTS = {"wan21": WAN21_ENCODER_CONFIG, "wan22": WAN22_ENCODER_CONFIG}

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The compiled decoder's GPU check in two commands (docs/gpu-check.md says how to run them; tools/gpu_check.py what
+# The compiled decoder's GPU check in two commands (docs/gpu-check.md says how to run them; gpu_check/gpu_check.py what
 # each measures):
 #
-#   tools/make_gpu_bundle.sh                    # here, once: CUTLASS headers, ninja, wheels -> build/gpu_bundle
-#   tools/gpu_check.sh --part 1 [--out DIR]     # on the GPU machine, from a bare copy of the tree
-#   tools/gpu_check.sh --part 2 [--out DIR]
-#   tools/gpu_check.sh --part 1 --dry-run       # anywhere: every step on CPU at tiny sizes
+#   gpu_check/make_gpu_bundle.sh                # here, once: CUTLASS headers, ninja, wheels -> build/gpu_bundle
+#   gpu_check/gpu_check.sh --part 1 [--out DIR] # on the GPU machine, from a bare copy of the tree
+#   gpu_check/gpu_check.sh --part 2 [--out DIR]
+#   gpu_check/gpu_check.sh --part 1 --dry-run   # anywhere: every step on CPU at tiny sizes
 #
 # Needs only python3 with torch, a C++ compiler and nvcc on the machine: the package is used from this checkout (no
-# install; tools/gpu_check.py puts the checkout first on its path), everything else comes from the bundle where the
+# install; gpu_check/gpu_check.py puts the checkout first on its path), everything else comes from the bundle where the
 # machine lacks it. Part 2 installs the bundle's wheels (diffusers, FastVideo and what FastVideo needs that the machine
 # lacks) and this checkout, without dependencies, into a throwaway environment layered over the machine's own
 # packages, so that FastVideo's spawned workers find the PAN2 plugin as they would after `pip install`.
@@ -54,4 +54,4 @@ fi
 export MAX_JOBS=${MAX_JOBS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
 export PYTHONUNBUFFERED=1
 
-"$py" "$repo/tools/gpu_check.py" "$@"
+"$py" "$repo/gpu_check/gpu_check.py" "$@"
