@@ -36,7 +36,7 @@ Part 2 (`--part 2`): the rest.
   relative to the reference's largest value), the frames', whether the option was in effect in FastVideo's worker
   (its own FastVideoArgs after the device policy; the DiT's blocks hooked by the layer-wise offload and emptied, the
   text encoder and VAE back on the CPU, the DiT's FSDP DTensors), seconds, `ok` (in effect, latents equal to fp32
-  rounding); in a dry run the offloads are off (the adapter turns them off without a GPU) and recorded so;
+  rounding); in a dry run the offloads are off (`compat.cpu_gaps` turns them off without a GPU) and recorded so;
 - last, with its time reserved from the start: the PAN2 pipeline end to end in FastVideo on the tiny checkpoint, the
   fast decoder on, the mp4 streamed while decoding (`python -m fastvideo_pan2_ext.demo`).
 The two FastVideo steps are skipped, with the reason, where FastVideo does not import.
@@ -940,7 +940,7 @@ def option_engine(name: str) -> dict:
 def _worker_state(wrapper) -> dict:
     """Run in FastVideo's worker after the request (sent there by value through `collective_rpc`): the options as the
     worker's own FastVideoArgs have them after its device policy (FastVideo's conflicts and unified memory, our
-    adapter's CPU settings), and where each component's weights are: devices, bytes on an accelerator, the DiT's
+    CPU settings of `compat.cpu_gaps`), and where each component's weights are: devices, bytes on an accelerator, the DiT's
     blocks hooked by FastVideo's layer-wise offload, its parameters that are FSDP's DTensors."""
     import torch  # noqa: PLC0415
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
@@ -1026,7 +1026,7 @@ def option_in_effect(name: str, worker: dict, dry_run: bool) -> tuple[bool, str]
         return not on and not parked, f"options on: {on or 'none'}{where}"
     if not args.get(name):
         cpu = dry_run and name in OFF_WITHOUT_GPU
-        why = (" (the adapter turns FastVideo's offloads off on a GPU-less machine: "
+        why = (" (`compat.cpu_gaps` turns FastVideo's offloads off on a GPU-less machine: "
                "fastvideo_pan2_ext.fastvideo_integration.compat.cpu_gaps.CPU_OFFLOAD_FLAGS)") if cpu else ""
         return False, f"the worker's FastVideoArgs have {name}=False{why}"
     if name == "dit_layerwise_offload":
@@ -1099,7 +1099,7 @@ def pan2_options(ctx: Context, timeout: float) -> dict:
             entry |= {"max_abs_diff": diff, "max_rel_diff": diff / scale, "reference_max_abs": scale,
                       "bit_identical": bool(torch.equal(got["latents"], ref["latents"])),
                       "frames_max_diff": int((got["frames"].int() - ref["frames"].int()).abs().max())}
-            # Off on a CPU (the adapter turns FastVideo's offloads off there): the dry run rehearses the code path.
+            # Off on a CPU (`compat.cpu_gaps` turns FastVideo's offloads off there): the dry run rehearses the code path.
             if ctx.dry_run and name in OFF_WITHOUT_GPU and not entry["worker"]["args"][name]:
                 entry["off_without_gpu"] = True
             effect = entry["in_effect"] or entry.get("off_without_gpu", False)

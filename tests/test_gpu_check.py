@@ -325,7 +325,7 @@ def _check_encode_bands(result: dict, size: list) -> None:
 def _check_pan2_options(result: dict, size: list) -> None:
     """FastVideo's VideoGenerator (from the bundle's wheels) on the tiny checkpoint, image-to-video with guidance, one
     process per run, in turn: each run's final latents and frames held to its reference run's. On this CPU the
-    adapter turns the three offloads off (recorded so: asked for, off in the worker, the plain run's numbers bit for
+    compat package turns the three offloads off (recorded so: asked for, off in the worker, the plain run's numbers bit for
     bit); FSDP runs over one gloo rank (every DiT parameter a DTensor, bf16) and gives the plain bf16 run's latents;
     FSDP's bf16 gather against the fp32 run is a few percent (docs/design.md, "The transformer")."""
     height, width, frames, steps = size
@@ -358,7 +358,7 @@ def _check_pan2_options(result: dict, size: list) -> None:
     for name in offloads:
         entry = options[name]
         assert entry["reference"] == "plain" and entry["in_effect"] is False and entry["off_without_gpu"] is True
-        assert entry["evidence"].startswith(f"the worker's FastVideoArgs have {name}=False (the adapter turns")
+        assert entry["evidence"].startswith(f"the worker's FastVideoArgs have {name}=False (`compat.cpu_gaps` turns")
         assert entry["bit_identical"] and entry["max_abs_diff"] == entry["max_rel_diff"] == 0
         assert entry["frames_max_diff"] == 0 and entry["reference_max_abs"] > 0.5
     fsdp = options["use_fsdp_inference"]
