@@ -53,17 +53,8 @@ def test_peak_falls_with_the_tile(decoder):
     assert peaks[0] < peaks[1] < peaks[2] and peaks[1] < untiled and peaks[2] < 1.01 * untiled
 
 
-def test_max_memory_picks_the_largest_tile_that_fits_and_decodes_exactly(wan22_state_dict, decoder, plain):
-    z, expected = plain
-    budget = int(1.3 * decoder.peak_bytes(SHAPE, tile_rows=3)) + 1
-    limited = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", max_memory=budget)
-    chosen = limited.plan(SHAPE).tile_rows
-    assert chosen is not None and chosen >= 3
-    assert 1.3 * limited.peak_bytes(SHAPE, tile_rows=chosen + 1) > budget  # the next size would not fit
-    video, measured = _working_peak(limited, z, expected.numel() * 2)
-    assert torch.equal(video, expected)
-    assert measured <= budget, (measured, budget)
-
+# max_memory's choice of the largest tile that fits, its exact video and its measured peak: for both layouts and both
+# conv algorithms in tests/test_decoder_variants.py (`test_max_memory_picks_the_largest_exact_tiles_that_fit`).
 
 # Streamed, every tile's causal history is alive at once and the tiles' margins overlap: tiles save memory only on
 # frames much taller than the margins (15 latent rows at the mid block); a CPU computing in bf16 holds smaller

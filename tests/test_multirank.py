@@ -105,11 +105,17 @@ def test_banded_decode_over_gloo_ranks(tmp_path, wan22_state_dict, oracle, world
             assert expected in message, message
 
 
-def test_rows_split_into_near_equal_bands():
+def test_rows_split_into_near_equal_bands_starting_on_the_ops_row_multiple():
     from fastvideo_pan2_ext.vae_kernel.distributed.bands import split_rows
 
     assert split_rows(5, 2) == [(0, 3), (3, 5)]
     assert split_rows(44, 8) == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 29), (29, 34), (34, 39), (39, 44)]
     assert split_rows(3, 4) == [(0, 1), (1, 2), (2, 3)]
+    # Winograd F(2x2, 3x3) (row multiple 2): bands start on even rows, where its 2x2 output tiles line up with the
+    # whole frame's.
+    assert split_rows(5, 3, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert split_rows(5, 2, 2) == [(0, 4), (4, 5)]
+    assert split_rows(3, 4, 2) == [(0, 2), (2, 3)]
+    assert split_rows(44, 4, 2) == [(0, 12), (12, 24), (24, 34), (34, 44)]
     with pytest.raises(ValueError, match="height >= 1"):
         split_rows(0, 2)

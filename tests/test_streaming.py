@@ -1,5 +1,6 @@
-"""Streaming output: `decode_iter` chunks (plain or tiled, any batch and size) are the plain decode's frames, and
-`write_video_stream` writes them to the same mp4 a non-streamed save of the plain decode writes."""
+"""Streaming output: `write_video_stream` (and the grid and per-sample writers) write `decode_iter`'s chunks to the same
+mp4 a non-streamed save of the plain decode writes. That the chunks (plain or tiled, any batch) are the plain decode's
+frames is tests/test_decoder_variants.py's `test_decode_iter_yields_the_decode_in_consecutive_chunks`."""
 
 from __future__ import annotations
 
@@ -29,23 +30,6 @@ def _frames(path) -> np.ndarray:
     meta = reader.__next__()
     width, height = meta["size"]
     return np.stack([np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader])
-
-
-def _joined(chunks, batch: int) -> list[torch.Tensor]:
-    per_sample = [[] for _ in range(batch)]
-    for b, frame, chunk in chunks:
-        assert frame == sum(c.shape[2] for c in per_sample[b])  # consecutive
-        per_sample[b].append(chunk)
-    return [torch.cat(parts, dim=2) for parts in per_sample]
-
-
-@pytest.mark.parametrize("tile_rows", [None, 2])
-def test_decode_iter_chunks_are_the_plain_decode_for_every_sample(wan22_state_dict, plain, tile_rows):
-    z, _, expected = plain
-    decoder = WanVAEDecoder(wan22_state_dict, device="cpu", frames_per_pass=2, backend="torch", tile_rows=tile_rows)
-    videos = _joined(decoder.decode_iter(z), SHAPE[0])
-    for b, video in enumerate(videos):
-        assert torch.equal(video, expected[b:b + 1])
 
 
 def test_streamed_mp4_is_byte_identical_to_saving_the_plain_decode(plain, tmp_path):

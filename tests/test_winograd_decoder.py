@@ -1,6 +1,7 @@
-"""`WanVAEDecoder(conv_algorithm=...)`: the option's checks, what "auto" chooses, and where bands start with Winograd
-F(2x2, 3x3) (on even rows, where its 2x2 output tiles line up with the whole frame's). The Winograd decode itself
-(allowance, frames per pass, tiles, ranks, streaming) is the shared suite, tests/test_decoder_variants.py.
+"""`WanVAEDecoder(conv_algorithm=...)`: the option's checks and what "auto" chooses. Where bands start with Winograd
+F(2x2, 3x3) (on even rows, where its 2x2 output tiles line up with the whole frame's) is tests/test_multirank.py's
+`test_rows_split_into_near_equal_bands_starting_on_the_ops_row_multiple`. The Winograd decode itself (allowance,
+frames per pass, tiles, ranks, streaming) is the shared suite, tests/test_decoder_variants.py.
 """
 
 from __future__ import annotations
@@ -10,15 +11,6 @@ import torch
 
 from _decoder_allowance import latents
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder, backends
-from fastvideo_pan2_ext.vae_kernel.distributed.bands import split_rows
-
-
-def test_bands_start_on_multiples_of_the_ops_row_multiple():
-    assert split_rows(5, 3, 2) == [(0, 2), (2, 4), (4, 5)]
-    assert split_rows(5, 2, 2) == [(0, 4), (4, 5)]
-    assert split_rows(3, 4, 2) == [(0, 2), (2, 3)]
-    assert split_rows(44, 4, 2) == [(0, 12), (12, 24), (24, 34), (34, 44)]
-    assert split_rows(5, 2) == [(0, 3), (3, 5)]  # direct convs: near-equal bands as before
 
 
 def test_an_unknown_conv_algorithm_is_refused(wan22_state_dict):
