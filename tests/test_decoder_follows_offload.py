@@ -1,7 +1,9 @@
-"""Memory follows the VAE: when the VAE leaves the decoder's device (`.to()`: how FastVideo's `vae_cpu_offload` and
-accelerate's model-offload hooks move it), the decoder's prepared weights leave it too, and when the VAE comes back the
-same decoder prepares them again from it and decodes the same video. A VAE offloaded layer by layer (accelerate's
-sequential offload) is decoded by diffusers, after one warning.
+"""Memory follows the VAE: when the VAE leaves a worker's device (`.to()`: how FastVideo's `vae_cpu_offload`, its
+encoding stages and accelerate's model-offload hooks move it), the worker's prepared weights leave it too, and when
+the VAE comes back the same worker prepares them again from it and computes the same result: the decoder and the
+encoder alike, in both integrations (one mechanism: `Worker.follow_vae`, called by diffusers' `Route.vae_moved` and
+FastVideo's `Workers.vae_moved`). A VAE offloaded layer by layer (accelerate's sequential offload) is decoded by
+diffusers, after one warning.
 
 No GPU here: the CPU stands in for the device, and the VAE leaves it for the meta device (where accelerate's
 sequential offload keeps weights too). Bytes on the device are counted by the memory planner's tracker, `LiveBytes`,
@@ -16,10 +18,11 @@ import torch
 from _vae_helpers import fastvideo_wan_vae_of, make_wan22_vae, random_latents
 from accelerate import cpu_offload
 
-from fastvideo_pan2_ext import enable_fast_decode
+from fastvideo_pan2_ext import enable_fast_decode, enable_fast_encode
 from fastvideo_pan2_ext.vae_kernel.planning.memory import LiveBytes
 
 Z = (1, 8, 1, 2, 3)
+VIDEO = (1, 3, 1, 32, 48)  # Wan2.2: sides multiples of 16
 CPU = torch.device("cpu")
 
 
@@ -29,43 +32,63 @@ def _decode(vae, z) -> torch.Tensor:
     return getattr(output, "sample", output)
 
 
-def _offload_round_trip(vae, z, decoder_of):
-    """Decode, move the VAE off the device and back with the same weights, decode again: the bytes the decode left on
-    the device while the VAE was there and after it left, both videos, and whether the decoder stayed the same."""
+def _encode(vae, x) -> torch.Tensor:
+    """The moments (diffusers' `AutoencoderKLOutput.latent_dist` or FastVideo's distribution: its `.parameters`)."""
+    with torch.no_grad():
+        output = vae.encode(x)
+    return getattr(output, "latent_dist", output).parameters
+
+
+def _offload_round_trip(vae, x, run, worker_of):
+    """Run (`run(vae, x)`: a decode or an encode), move the VAE off the device and back with the same weights, run
+    again: the bytes the run left on the device while the VAE was there and after it left, both results, the
+    worker's prepared bytes, and whether the worker stayed the same."""
     saved = {k: v.clone() for k, v in vae.state_dict().items()}
     with LiveBytes(CPU) as tracker:
-        first = _decode(vae, z)
-        decoder = decoder_of(vae)
-        video_bytes = first.untyped_storage().nbytes()
-        while_there = tracker.bytes_alive() - video_bytes
+        first = run(vae, x)
+        worker = worker_of(vae)
+        result_bytes = first.untyped_storage().nbytes()
+        while_there = tracker.bytes_alive() - result_bytes
         vae.to("meta")
-        after_leaving = tracker.bytes_alive() - video_bytes
+        after_leaving = tracker.bytes_alive() - result_bytes
+        weights_while_away = dict(worker.weights)
     vae.to_empty(device=CPU)
     vae.load_state_dict(saved)
-    again = _decode(vae, z)
-    weight_bytes = sum(w.untyped_storage().nbytes() for w in decoder.weights.values())
-    return while_there, after_leaving, weight_bytes, first, again, decoder_of(vae) is decoder
+    again = run(vae, x)
+    weight_bytes = sum(w.untyped_storage().nbytes() for w in worker.weights.values())
+    return while_there, after_leaving, weights_while_away, weight_bytes, first, again, worker_of(vae) is worker
 
 
-def test_diffusers_decoder_weights_leave_the_device_with_the_vae_and_come_back_the_same():
+def _diffusers_vae(work: str):
     vae = make_wan22_vae(seed=0)
-    enable_fast_decode(vae)
-    z = random_latents(Z, seed=1)
-    while_there, after_leaving, weight_bytes, first, again, same = _offload_round_trip(
-        vae, z, lambda v: v.__dict__["_pan2_fast_decode"].worker)
-    assert after_leaving == 0
-    assert while_there >= weight_bytes > 0
-    assert same and torch.equal(again, first)
+    (enable_fast_decode if work == "decode" else enable_fast_encode)(vae)
+    return vae
 
 
-def test_fastvideo_decoder_weights_leave_the_device_with_the_vae_and_come_back_the_same():
-    from fastvideo_pan2_ext.fastvideo_integration import fast_decode
+def _fastvideo_vae(work: str):
+    return fastvideo_wan_vae_of(make_wan22_vae(seed=0), **{f"{work}_kernel": True}).requires_grad_(False)
 
-    vae = fastvideo_wan_vae_of(make_wan22_vae(seed=0), decode_kernel=True)
-    z = random_latents(Z, seed=1)
-    while_there, after_leaving, weight_bytes, first, again, same = _offload_round_trip(
-        vae, z, lambda v: fast_decode._decoders[v][1])
-    assert after_leaving == 0
+
+def _diffusers_worker(work: str):
+    return lambda v: v.__dict__[f"_pan2_fast_{work}"].worker
+
+
+def _fastvideo_worker(work: str):
+    from fastvideo_pan2_ext.fastvideo_integration import fast_decode, fast_encode
+
+    cache = fast_decode._decoders if work == "decode" else fast_encode._encoders
+    return lambda v: cache[v][1]
+
+
+@pytest.mark.parametrize("work", ["decode", "encode"])
+@pytest.mark.parametrize("integration", ["diffusers", "fastvideo"])
+def test_the_workers_weights_leave_the_device_with_the_vae_and_come_back_the_same(integration, work):
+    vae = (_diffusers_vae if integration == "diffusers" else _fastvideo_vae)(work)
+    worker_of = (_diffusers_worker if integration == "diffusers" else _fastvideo_worker)(work)
+    x = random_latents(Z, seed=1) if work == "decode" else random_latents(VIDEO, seed=1).clamp(-1, 1)
+    while_there, after_leaving, weights_while_away, weight_bytes, first, again, same = _offload_round_trip(
+        vae, x, _decode if work == "decode" else _encode, worker_of)
+    assert after_leaving == 0 and weights_while_away == {}
     assert while_there >= weight_bytes > 0
     assert same and torch.equal(again, first)
 

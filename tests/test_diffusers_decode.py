@@ -319,6 +319,7 @@ def test_the_diffusers_room_imports_only_the_decoder_library():
     from test_architecture import NAME, _graph
 
     graph = _graph()
-    for module in ("diffusers_route", "diffusers_decode", "diffusers_encode"):
-        targets = graph[f"{NAME}.{module}"] - {f"{NAME}.diffusers_route"}  # the routing both switches share
+    room = f"{NAME}.diffusers_integration"
+    for module in ("route", "fast_decode", "fast_encode"):
+        targets = graph[f"{room}.{module}"] - {f"{room}.route"}  # the routing both switches share
         assert targets and all(t.startswith(f"{NAME}.vae_kernel") for t in targets), (module, targets)

@@ -318,8 +318,9 @@ def test_the_encoder_leaves_a_device_the_vae_leaves_and_copies_keep_the_switch()
     enable_fast_encode(vae, frames_per_pass=1)
     moments = _fast(vae, x).latent_dist.parameters
     saved = {k: v.clone() for k, v in vae.state_dict().items()}
-    vae.to("meta")  # the VAE leaves the device: nothing of the encoder's stays
-    assert _encoder(vae) is None
+    encoder = _encoder(vae)
+    vae.to("meta")  # the VAE leaves the device: the encoder's prepared weights leave too (the decoder's way)
+    assert _encoder(vae) is encoder and not encoder.weights
     vae.to_empty(device="cpu")
     vae.load_state_dict(saved)
     assert torch.equal(_fast(vae, x).latent_dist.parameters, moments)

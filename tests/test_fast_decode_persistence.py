@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import io
-import weakref
 
 import pytest
 import torch
@@ -77,7 +76,7 @@ def test_fastvideo_decoding_stage_under_inference_mode(pan2, tiny_ckpt, cpu_comp
     latents = torch.randn(1, 48, 2, 3, 2, generator=torch.Generator().manual_seed(3))
 
     def decode() -> torch.Tensor:
-        monkeypatch.setattr(fast_decode, "_decoders", weakref.WeakKeyDictionary())  # built in this mode
+        monkeypatch.setattr(fast_decode, "_decoders", fast_decode.Workers())  # built in this mode
         batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
         batch.latents = latents.clone()
         return stage(batch, args).output

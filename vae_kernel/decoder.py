@@ -124,8 +124,10 @@ class WanVAEDecoder(Worker):
     # ---------------------------------------------------------------------------------------------------------------
 
     def _input_error(self, latents) -> str | None:
+        # The weights are input too: a VAE changed since the last decode is read again (its ValueError, e.g. a
+        # `weights.WeightValuesError`, raised as it is: a route falls back on that one).
+        self.sync_weights()
         try:
-            self.sync_weights()  # the weights are input too: a VAE changed since the last decode is read again
             check_latents(latents, self.config.z_dim)
         except ValueError as exc:
             return str(exc)

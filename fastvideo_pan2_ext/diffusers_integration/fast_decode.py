@@ -48,8 +48,7 @@ def _diffusers_would_tile(vae: AutoencoderKLWan, z: torch.Tensor) -> bool:
 
 
 class FastDecode(route.Route):
-    """The VAE's `decode` by `WanVAEDecoder` (its prepared weights follow the VAE's: `WanVAEDecoder.sync_weights`,
-    `follow_vae`)."""
+    """The VAE's `decode` by `WanVAEDecoder` (its prepared weights follow the VAE's: `Route.vae_moved`)."""
 
     method, attribute, worker_name, input_name, verb = "decode", "_pan2_fast_decode", "decoder", "latents", "decoding"
     submodules = ("post_quant_conv", "decoder")
@@ -95,10 +94,6 @@ class FastDecode(route.Route):
     def output(self, vae: AutoencoderKLWan, video: torch.Tensor, return_dict: bool):
         video = video.to(vae.dtype)
         return DecoderOutput(sample=video) if return_dict else (video,)
-
-    def vae_moved(self, vae: AutoencoderKLWan) -> None:
-        if self.worker is not None:
-            self.worker.follow_vae()
 
 
 def enable_fast_decode(target, *, pg=None, **options) -> None:

@@ -49,7 +49,7 @@ def _diffusers_would_tile(vae: AutoencoderKLWan, video: torch.Tensor) -> bool:
 
 class FastEncode(route.Route):
     """The VAE's `encode` by `WanVAEEncoder` (made from the VAE, it takes any change of the VAE's weights at each
-    encode; made again when the VAE is on another device)."""
+    encode; its prepared weights follow the VAE's as the decoder's do: `Route.vae_moved`)."""
 
     method, attribute, worker_name, input_name, verb = "encode", "_pan2_fast_encode", "encoder", "video", "encoding"
     submodules = ("encoder", "quant_conv")
@@ -83,11 +83,6 @@ class FastEncode(route.Route):
     def output(self, vae: AutoencoderKLWan, moments: torch.Tensor, return_dict: bool):
         posterior = DiagonalGaussianDistribution(moments)
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
-
-    def vae_moved(self, vae: AutoencoderKLWan) -> None:
-        """The encoder (and its prepared weights) is dropped when the VAE's encoder left its device."""
-        if self.worker is not None and next(vae.encoder.parameters()).device != self.worker.device:
-            self.worker = None
 
 
 def enable_fast_encode(target, *, pg=None, **options) -> None:

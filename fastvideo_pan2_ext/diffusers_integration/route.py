@@ -28,6 +28,7 @@ from diffusers.hooks.group_offloading import (_GROUP_OFFLOADING, _LAYER_EXECUTIO
 from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK
 
 from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
+from fastvideo_pan2_ext.vae_kernel.fallback import Fallback
 from fastvideo_pan2_ext.vae_kernel.portable import passes, weights
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops
 
@@ -69,7 +70,8 @@ class Route:
         # The pipeline it was enabled on (weakly: the pipeline holds the VAE): its progress_bar shows the worker's.
         self.pipeline = weakref.ref(pipeline) if pipeline is not None else lambda: None
         self.worker = None
-        self._warned: set[str] = set()
+        # The warnings it has given, and its fallback to diffusers' method (vae_kernel.fallback: one policy).
+        self._fallback = Fallback(self.switch, self.verb, f"diffusers' {self.method}", _warn)
 
     @property
     def switch(self) -> str:
@@ -90,15 +92,11 @@ class Route:
         return type(self), (self.options, None)
 
     def warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            # Attributed to the first caller outside this package (the pipeline's code or the user's).
-            warnings.warn(f"{self.switch}: {message}", skip_file_prefixes=(_PACKAGE_DIR,))
+        self._fallback.warn_once(self, key, message)
 
     def fallback(self, key: str, why: str) -> None:
-        """One warning that diffusers' own method runs, and nothing of ours kept on the device."""
-        self.warn_once(key, f"{why}; {self.verb} with diffusers' {self.method}")
-        self.worker = None
+        """Diffusers' own method runs: the one fallback policy (`vae_kernel.fallback`)."""
+        self._fallback(self, key, why, self.worker)
 
     def worker_for(self, vae: AutoencoderKLWan):
         """The worker for `vae`, or None (after one warning) when diffusers' method runs: offloaded layer by layer,
@@ -209,7 +207,15 @@ class Route:
         raise NotImplementedError
 
     def vae_moved(self, vae: AutoencoderKLWan) -> None:
-        """After `vae._apply` (`.to()`, a cast, an offload hook): nothing of ours stays where the VAE left."""
+        """After `vae._apply` (`.to()`, a cast, an offload hook): the worker's prepared weights leave a device the
+        VAE left (`Worker.follow_vae`); the worker stays, and prepares them again when the VAE is back."""
+        if self.worker is not None:
+            self.worker.follow_vae()
+
+
+def _warn(message: str) -> None:
+    # Attributed to the first caller outside this package (the pipeline's code or the user's).
+    warnings.warn(message, skip_file_prefixes=(_PACKAGE_DIR,))
 
 
 def _autograd_records(x, parameters) -> bool:

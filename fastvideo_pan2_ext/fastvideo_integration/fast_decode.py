@@ -11,7 +11,9 @@ FastVideo's `AutoencoderKLWan.decode(z)` (z de-normalized, as FastVideo's decodi
 when the switch is on (`wan_vae.route_decode`); everything else about the pipeline is FastVideo's. When the
 request runs on several ranks (FastVideo runs every stage on every rank, with the same latents), the ranks decode row
 bands of one video together (exact halos) and rank 0's video is the request's; the others hand FastVideo a
-placeholder of the same shape, whose values are never used (FastVideo returns rank 0's output).
+placeholder of the same shape, whose values are never used (FastVideo returns rank 0's output). What it cannot serve
+(`cannot_serve`) runs FastVideo's own decode, after one warning line per VAE and reason (the one fallback policy:
+`vae_kernel.fallback`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fastvideo_pan2_ext.vae_kernel import options as decoder_options
 from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames, video_shape
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
+from fastvideo_pan2_ext.vae_kernel.fallback import Fallback
 from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
 
@@ -130,24 +133,46 @@ def config_field(option: str) -> str:
 # --------------------------------------------------------------------------------------------------- decoding
 
 
-def cached_worker(cache: weakref.WeakKeyDictionary, vae, key, make):
-    """The worker (`WanVAEDecoder`, `WanVAEEncoder`) that `cache` (VAE module -> (key, worker)) holds for `vae` under
-    `key`, else `make()`'s, held from then on (the old one and its prepared weights go before the new one is made)."""
-    cached = cache.get(vae)
-    if cached is None or cached[0] != key:
-        cache.pop(vae, None)
-        cached = cache[vae] = (key, make())
-    return cached[1]
+class Workers(weakref.WeakKeyDictionary):
+    """The fast workers of FastVideo's Wan VAE modules, one per VAE (VAE module -> (key, worker): `WanVAEDecoder`
+    here, `WanVAEEncoder` in `fast_encode`), each following its VAE the same way."""
+
+    def get_or_make(self, vae, key, make):
+        """The worker held for `vae` under `key`, else `make()`'s, held from then on (the old one and its prepared
+        weights go before the new one is made)."""
+        cached = self.get(vae)
+        if cached is None or cached[0] != key:
+            self.pop(vae, None)
+            cached = self[vae] = (key, make())
+        return cached[1]
+
+    def worker(self, vae):
+        """The worker held for `vae`, or None."""
+        cached = self.get(vae)
+        return None if cached is None else cached[1]
+
+    def vae_moved(self, vae) -> None:
+        """After FastVideo's Wan VAE `vae` moved (`.to()`; `wan_vae.after_moves`): its worker's prepared
+        weights leave a device the VAE left (`Worker.follow_vae`: FastVideo's `vae_cpu_offload`, its encoding stages
+        moving the VAE to the CPU after an encode); the worker stays and prepares them again at its next call."""
+        worker = self.worker(vae)
+        if worker is not None:
+            worker.follow_vae()
 
 
-_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> (key, WanVAEDecoder)
+_decoders = Workers()  # VAE module -> (key, WanVAEDecoder)
+
+
+def vae_moved(vae) -> None:
+    """`Workers.vae_moved` of the decoders (`wan_vae.after_moves`)."""
+    _decoders.vae_moved(vae)
 
 
 def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
     group. Its weights are prepared from the module's own and follow them: every decode first takes any change of
     the module's weights (`WanVAEDecoder.sync_weights`), and they leave the device when the module does
-    (`vae_moved`)."""
+    (`Workers.vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
     group = None if opts.tiled else compat.executor.decode_group()  # exact tiles are a single-rank decode
 
@@ -158,15 +183,7 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
                     "one rank" if group is None else "rows split over the ranks", device)
         return decoder
 
-    return cached_worker(_decoders, vae, (str(device), opts, id(group)), make)
-
-
-def vae_moved(vae) -> None:
-    """After FastVideo's Wan VAE `vae` moved (`.to()`; `wan_vae.after_moves`): its fast decoder's prepared
-    weights leave a device the VAE left (FastVideo's `vae_cpu_offload`), to be prepared again at its next decode."""
-    cached = _decoders.get(vae)
-    if cached is not None:
-        cached[1].follow_vae()
+    return _decoders.get_or_make(vae, (str(device), opts, id(group)), make)
 
 
 def _log_plan(decoder: WanVAEDecoder, z: torch.Tensor) -> None:
@@ -175,12 +192,45 @@ def _log_plan(decoder: WanVAEDecoder, z: torch.Tensor) -> None:
                 "untiled" if plan.tile_rows is None else f"in tiles of {plan.tile_rows} latent rows")
 
 
+# The one fallback policy (vae_kernel.fallback): one warning line per VAE and reason, the decoder's weights off the
+# device while FastVideo's decode runs.
+_fallback = Fallback("fast VAE decoder", "decoding", "FastVideo's own decode", logger.warning)
+
+
+def _weights_refused(why) -> tuple[str, str]:
+    return "weights", f"the fast decoder cannot take this VAE's decoder weights ({why})"
+
+
+def cannot_serve(vae, z) -> tuple[str, str] | None:
+    """(kind, why) when the fast decoder cannot serve `vae.decode(z)`, which FastVideo's own decode then runs; None
+    when it can. Read at every decode (the same on every rank: the VAE and the latents' shape are)."""
+    if not isinstance(z, torch.Tensor):
+        return "input", f"the latents are a {type(z).__name__}, not a tensor"
+    try:  # the architecture and every tensor's shape; the values are checked as the decoder takes them (`decode`)
+        weights_mod.architecture(vae)
+    except ValueError as exc:
+        return _weights_refused(exc)
+    layer = getattr(vae.post_quant_conv, "base_layer", vae.post_quant_conv)  # PEFT's wrapper
+    if layer.weight.device.type == "meta":
+        return _weights_refused("they are on the meta device: not loaded, e.g. offloaded layer by layer")
+    return None
+
+
 @torch.no_grad()
-def decode(vae, z: torch.Tensor) -> torch.Tensor:
+def decode(vae, z: torch.Tensor, fastvideo_decode) -> torch.Tensor:
     """What `AutoencoderKLWan.decode(z)` returns, from the fast decoder: fp32 video in [-1, 1] (bf16 arithmetic with
-    fp32 statistics inside; FastVideo's autocast does not reach it)."""
-    decoder = decoder_for(vae, z.device)
-    video = decoder.decode(z)
+    fp32 statistics inside; FastVideo's autocast does not reach it); FastVideo's own decode (`fastvideo_decode(vae,
+    z)`) where it cannot serve the call."""
+    reason = cannot_serve(vae, z)
+    if reason is not None:
+        _fallback(vae, *reason, _decoders.worker(vae))
+        return fastvideo_decode(vae, z)
+    try:  # the decoder reads the weights' values as it takes any change, before it computes
+        decoder = decoder_for(vae, z.device)
+        video = decoder.decode(z)
+    except weights_mod.WeightValuesError as exc:
+        _fallback(vae, *_weights_refused(exc), _decoders.worker(vae))
+        return fastvideo_decode(vae, z)
     _log_plan(decoder, z)
     if video is None:  # a rank other than 0: FastVideo returns rank 0's video, so values here are never used
         return torch.zeros((), device=z.device).expand(video_shape(decoder.config, z.shape))

@@ -12,14 +12,13 @@ Wan encode FastVideo makes (image-to-video's conditioning video, TI2V's first fr
 preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistribution` of the moments, in the VAE's
 dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. The encoder runs on
 this rank alone: each rank encodes its own input (preprocessing ranks hold different clips; inference ranks encode
-the same one). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, with one warning line per VAE and
-reason.
+the same one). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, after one warning line per VAE and
+reason (the one fallback policy: `vae_kernel.fallback`).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -28,6 +27,7 @@ from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import check_video, encoded_shape
 from fastvideo_pan2_ext.vae_kernel.encoder import WanVAEEncoder
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
+from fastvideo_pan2_ext.vae_kernel.fallback import Fallback
 from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
 from fastvideo_pan2_ext.vae_kernel.portable.ops import TORCH_OPS
@@ -158,46 +158,39 @@ def cannot_serve(vae, x) -> tuple[str, str] | None:
     return None
 
 
-_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> the kinds it was warned of
-
-
-def _warn_once(vae, kind: str, why: str) -> None:
-    seen = _warned.setdefault(vae, set())
-    if kind not in seen:
-        seen.add(kind)
-        logger.warning("fast VAE encoder: %s; encoding with FastVideo's own encode", why)
+# The one fallback policy (vae_kernel.fallback): one warning line per VAE and reason, the encoder's weights off the
+# device while FastVideo's encode runs.
+_fallback = Fallback("fast VAE encoder", "encoding", "FastVideo's own encode", logger.warning)
 
 
 # --------------------------------------------------------------------------------------------------- encoding
 
 
-_encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE module -> (key, WanVAEEncoder)
+_encoders = fast_decode.Workers()  # VAE module -> (key, WanVAEEncoder)
+
+
+def vae_moved(vae) -> None:
+    """`Workers.vae_moved` of the encoders (`wan_vae.after_moves`): the encoder follows the VAE as the decoder
+    does."""
+    _encoders.vae_moved(vae)
 
 
 def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
     """The fast encoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device and options. Its
     weights are prepared from the module's own and follow them (the encoder reads and compares them at every
-    encode); they are dropped when the module leaves `device` (`vae_moved`)."""
+    encode); they leave the device when the module does (`Workers.vae_moved`), and are prepared again at the next
+    encode there."""
     opts = options(vae.config) or encoder_options.EncoderOptions()
 
     def make() -> WanVAEEncoder:
-        # local: FastVideo's ranks may hold different videos (its preprocessing: each rank its own clips).
+        # local: FastVideo's ranks may hold different videos (docs/design.md, "The fast encoder in FastVideo").
         encoder = WanVAEEncoder(vae, device=device, local=True, **encoder_options.as_kwargs(opts))
         logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
                     "reuse_steady %s, one rank on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
                     opts.tile_rows, opts.max_memory, opts.reuse_steady, device)
         return encoder
 
-    return fast_decode.cached_worker(_encoders, vae, (str(device), opts), make)
-
-
-def vae_moved(vae) -> None:
-    """After FastVideo's Wan VAE `vae` moved (`.to()`; `wan_vae.after_moves`): a fast encoder on the device
-    it left is dropped with its prepared weights (FastVideo's encoding stages move the VAE to the CPU after an
-    encode); the next encode makes one where the VAE then is."""
-    cached = _encoders.get(vae)
-    if cached is not None and cached[1].device != vae_device(vae):
-        del _encoders[vae]
+    return _encoders.get_or_make(vae, (str(device), opts), make)
 
 
 def encode(vae, x, fastvideo_encode):
@@ -205,13 +198,13 @@ def encode(vae, x, fastvideo_encode):
     the fast encoder; FastVideo's own encode (`fastvideo_encode(vae, x)`) where it cannot serve the call."""
     reason = cannot_serve(vae, x)
     if reason is not None:
-        _warn_once(vae, *reason)
+        _fallback(vae, *reason, _encoders.worker(vae))
         return fastvideo_encode(vae, x)
     try:  # the encoder reads the weights' values once per encode, as it takes any change, before it computes
         encoder = encoder_for(vae, x.device)
         moments = encoder.encode(x)
     except weights_mod.WeightValuesError as exc:
-        _warn_once(vae, *_weights_refused(exc))
+        _fallback(vae, *_weights_refused(exc), _encoders.worker(vae))
         return fastvideo_encode(vae, x)
     plan = encoder.last_plan
     logger.debug("fast VAE encoder: video %s: %d latent frame(s) per pass, %s", list(x.shape), plan.frames_per_pass,

@@ -52,14 +52,15 @@ def add_config_fields(fields: dict[str, tuple[Any, Any]]) -> None:
 
 
 def route_decode(switched_on: Callable[[Any], bool], fast_decode: Callable) -> None:
-    """FastVideo's `AutoencoderKLWan.decode(self, z)` calls `fast_decode(self, z)` where `switched_on(self.config)`,
+    """FastVideo's `AutoencoderKLWan.decode(self, z)` calls `fast_decode(self, z, original)` where
+    `switched_on(self.config)` (`original(self, z)` is FastVideo's own decode, for what the fast one cannot serve),
     and runs unchanged elsewhere. Idempotent."""
     from fastvideo.models.vaes.wanvae import AutoencoderKLWan
 
     def make(original):
         @functools.wraps(original)
         def decode(self, z):
-            return fast_decode(self, z) if switched_on(self.config) else original(self, z)
+            return fast_decode(self, z, original) if switched_on(self.config) else original(self, z)
 
         return decode
 
