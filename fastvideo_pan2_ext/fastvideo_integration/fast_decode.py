@@ -8,7 +8,7 @@ loads this plugin, off by default, set like any of its fields (Python: `pipeline
 True`; CLI: `--generator.pipeline.experimental.pipeline_config.vae_config.decode_kernel true`).
 
 FastVideo's `AutoencoderKLWan.decode(z)` (z de-normalized, as FastVideo's decoding stage hands it over) is routed here
-when the switch is on (`wan_vae.route_decode`); everything else about the pipeline is FastVideo's. When the
+when the switch is on (`wan_vae.route`); everything else about the pipeline is FastVideo's. When the
 request runs on several ranks (FastVideo runs every stage on every rank, with the same latents), the ranks decode row
 bands of one video together (exact halos) and rank 0's video is the request's; the others hand FastVideo a
 placeholder of the same shape, whose values are never used (FastVideo returns rank 0's output). What it cannot serve

@@ -7,7 +7,7 @@ encode_backend, encode_precision, encode_reuse_steady), added by `wan_vae.add_co
 by default, set like any of its fields (Python: `pipeline_config.vae_config.encode_kernel = True`; CLI:
 `--generator.pipeline.experimental.pipeline_config.vae_config.encode_kernel true`; PAN2: `vae_encode_kernel`).
 
-FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`wan_vae.route_encode`): every
+FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`wan_vae.route`): every
 Wan encode FastVideo makes (image-to-video's conditioning video, TI2V's first frame, video-to-video, the
 preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistribution` of the moments, in the VAE's
 dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. The encoder runs on

@@ -51,36 +51,20 @@ def add_config_fields(fields: dict[str, tuple[Any, Any]]) -> None:
                           frozen=p.frozen)
 
 
-def route_decode(switched_on: Callable[[Any], bool], fast_decode: Callable) -> None:
-    """FastVideo's `AutoencoderKLWan.decode(self, z)` calls `fast_decode(self, z, original)` where
-    `switched_on(self.config)` (`original(self, z)` is FastVideo's own decode, for what the fast one cannot serve),
-    and runs unchanged elsewhere. Idempotent."""
+def route(method: str, switched_on: Callable[[Any], bool], fast: Callable) -> None:
+    """FastVideo's `AutoencoderKLWan.<method>(self, x)` ("decode": x the latents, "encode": the video) calls
+    `fast(self, x, original)` where `switched_on(self.config)` (`original(self, x)` is FastVideo's own method, for
+    what the fast one cannot serve), and runs unchanged elsewhere. Idempotent."""
     from fastvideo.models.vaes.wanvae import AutoencoderKLWan
 
     def make(original):
         @functools.wraps(original)
-        def decode(self, z):
-            return fast_decode(self, z, original) if switched_on(self.config) else original(self, z)
+        def routed(self, x):
+            return fast(self, x, original) if switched_on(self.config) else original(self, x)
 
-        return decode
+        return routed
 
-    replace_once(AutoencoderKLWan, "decode", make)
-
-
-def route_encode(switched_on: Callable[[Any], bool], fast_encode: Callable) -> None:
-    """FastVideo's `AutoencoderKLWan.encode(self, x)` calls `fast_encode(self, x, original)` where
-    `switched_on(self.config)` (`original(self, x)` is FastVideo's own encode, for what the fast one cannot serve),
-    and runs unchanged elsewhere. Idempotent."""
-    from fastvideo.models.vaes.wanvae import AutoencoderKLWan
-
-    def make(original):
-        @functools.wraps(original)
-        def encode(self, x):
-            return fast_encode(self, x, original) if switched_on(self.config) else original(self, x)
-
-        return encode
-
-    replace_once(AutoencoderKLWan, "encode", make)
+    replace_once(AutoencoderKLWan, method, make)
 
 
 _move_hooks: list[Callable[[Any], None]] = []
