@@ -96,7 +96,8 @@ def test_wheel_installs_the_hook_and_fastvideo_then_registers_the_plugin(tmp_pat
     proc = run([sys.executable, "-S", "-c", code, str(tmp_path / "site")], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json_line(proc.stdout) == {
-        "registered": True, "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "integration" / "registration.py"),
+        "registered": True,
+        "from": str(tmp_path / "site" / "fastvideo_pan2_ext" / "fastvideo_integration" / "registration.py"),
         "same_class": True, "hook_left": [], "pan2_configs": 1,
         "first_detector": "looks_like_pan2", "config_for_checkpoint": "PAN2PipelineConfig",
         "pipeline_for_checkpoint": "PAN2Pipeline", "sampling_for_checkpoint": "PAN2SamplingParam",
