@@ -42,8 +42,11 @@ def wan22_state_dict(wan22_vae):
 def compile_cache(tmp_path_factory):
     """The build cache every test that builds the real CUDA extension uses (test_compile, the binding checks,
     can_implement, the GPU check's rehearsal): one process imports a module name once, so two caches in one test run
-    would hand a later test the first one's module. The first test that needs an arch builds it; the rest load it."""
-    root = tmp_path_factory.getbasetemp() / "wan22-compile-cache"
+    would hand a later test the first one's module. The first test that needs an arch builds it; the rest load it.
+    Under pytest-xdist the workers share one cache (beside their own temp folders): the build cache's lock lets one
+    worker build while the other waits, rather than both building."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "wan22-compile-cache"
     root.mkdir(mode=0o700, exist_ok=True)
     return root
 

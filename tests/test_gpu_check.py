@@ -108,12 +108,6 @@ def _dry_run(machine, out: Path, part: int, *extra: str) -> tuple[subprocess.Com
     return done, report, wall
 
 
-def _shared_cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.getbasetemp() / "wan22-compile-cache"  # shared with test_compile.py
-    cache.mkdir(exist_ok=True)
-    return cache
-
-
 def _timed(report: dict, step: str, name: str) -> dict:
     """One decoder's timing entry: one run after the warm-up, its time inside its step's wall time."""
     entry = report[step][name]
@@ -130,8 +124,8 @@ def _no_fallbacks_anywhere(report: dict) -> None:
 PART1 = {}
 
 
-def test_part_1_builds_self_checks_and_times_t_max_inside_its_deadline(machine, tmp_path, tmp_path_factory):
-    cache = _shared_cache(tmp_path_factory)
+def test_part_1_builds_self_checks_and_times_t_max_inside_its_deadline(machine, tmp_path, compile_cache):
+    cache = compile_cache  # shared with test_compile.py
     done, report, wall = _dry_run(machine, tmp_path, 1, "--build-root", str(cache), "--deadline", "1800")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert report["skipped"] == [] and wall < 1800 + 60 and report["total_seconds"] < 1800
@@ -218,8 +212,8 @@ def test_every_step_s_cap_is_seconds_and_the_pan2_block_follows_the_first_compil
     assert gpu_check.FULL["pan2_block"] == (241, 704, 1248, 1544)
 
 
-def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(machine, tmp_path, tmp_path_factory):
-    cache = _shared_cache(tmp_path_factory)
+def test_part_2_measures_the_rest_covers_the_gaps_and_runs_the_pipeline_last(machine, tmp_path, compile_cache):
+    cache = compile_cache  # shared with test_compile.py
     done, report, wall = _dry_run(machine, tmp_path, 2, "--build-root", str(cache), "--deadline", "2100")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert report["skipped"] == [] and wall < 2100 + 120 and report["total_seconds"] < 2100
