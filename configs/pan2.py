@@ -38,16 +38,17 @@ class PAN2PipelineConfig(compat.symbol("PipelineConfig")):
     """IFM/PAN2's components in FastVideo, and PAN2's decoder and encoder switches, each a view of its Wan VAE config
     (`PAN2_SWITCHES`):
 
-    vae_decode_kernel (`vae_config.decode_kernel`): decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (on this
-        rank) instead of FastVideo's own Wan VAE decode. When a request only saves the video, the frames are then
-        written to the mp4 as they are decoded (`fastvideo_pan2_ext.fastvideo_integration.streamed_save`).
+    vae_decode_kernel (`vae_config.decode_kernel`): decode with `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder` (the
+        rows split over the request's ranks) instead of FastVideo's own Wan VAE decode. When a request only saves the
+        video, the frames are then written to the mp4 as they are decoded
+        (`fastvideo_pan2_ext.fastvideo_integration.streamed_save`).
     vae_decode_<option> (`vae_config.decode_<option>`), one per decoder option (`vae_kernel.options.OPTIONS`):
         vae_decode_frames_per_pass ("auto" by default: `vae_kernel.planning.memory.choose_plan`), vae_decode_tile_rows,
         vae_decode_max_memory, vae_decode_backend, vae_decode_conv_algorithm. `vae_frames_per_pass` is the deprecated
         name of vae_decode_frames_per_pass.
     vae_encode_kernel (`vae_config.encode_kernel`): encode the first frame with
-        `fastvideo_pan2_ext.vae_kernel.WanVAEEncoder` (on this rank) instead of FastVideo's own Wan VAE encode
-        (`fastvideo_pan2_ext.fastvideo_integration.fast_encode`); off by default.
+        `fastvideo_pan2_ext.vae_kernel.WanVAEEncoder` (the rows split over the request's ranks) instead of FastVideo's
+        own Wan VAE encode (`fastvideo_pan2_ext.fastvideo_integration.fast_encode`); off by default.
     vae_encode_<option> (`vae_config.encode_<option>`), one per encoder option (`vae_kernel.options.ENCODE_OPTIONS`):
         vae_encode_frames_per_pass, vae_encode_tile_rows, vae_encode_max_memory, vae_encode_backend,
         vae_encode_precision ("auto": fp32 for PAN2's fp32 VAE, as FastVideo encodes), vae_encode_reuse_steady.

@@ -1,7 +1,8 @@
 """The decoding stage on several ranks, as FastVideo's workers run it: every rank runs the stage with the same latents
 inside FastVideo's own distributed environment (initialized by FastVideo's worker entry point, gloo on CPU), the
 ranks split the rows of one decode, and rank 0's video (or, for a streamed save, rank 0's mp4) is bit-identical to the
-single-rank decode. A rank whose input is bad makes every rank raise; none hangs."""
+single-rank decode. A rank whose input is bad makes every rank raise; none hangs. Outside a request that FastVideo's
+executor handed every worker (a training or preprocessing loop: each rank its own data) each rank decodes alone."""
 
 from __future__ import annotations
 
@@ -48,18 +49,22 @@ def _rank(rank: int, world: int, tmp: str, port: int, tiny_ckpt: str, case: str)
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world))
     from fastvideo.distributed.parallel_state import maybe_init_distributed_environment_and_model_parallel
 
-    from fastvideo_pan2_ext.fastvideo_integration import streamed_save
+    from fastvideo_pan2_ext.fastvideo_integration import compat, streamed_save
 
     maybe_init_distributed_environment_and_model_parallel(1, 1, f"tcp://127.0.0.1:{port}")
     stage, args = _stage_and_args(tiny_ckpt)
     batch = forward_batch(args, tiny_ckpt, prompt="x", fps=24)
     batch.latents = LATENTS.clone()
-    if case == "bad rank 1" and rank == 1:
+    if case.startswith("bad rank 1") and rank == 1:
         batch.latents[0, 0, 0, 0, 0] = float("inf")  # passes FastVideo's validators, fails ours
     if case == "streamed":
         batch.extra[streamed_save.KEY] = streamed_save.StreamedSaveRequest(f"{tmp}/ranks.mp4", 24)
     try:
-        output = stage(batch, args).output
+        if case.endswith("outside a request"):
+            output = stage(batch, args).output
+        else:
+            with compat.executor.request_scope():  # what FastVideo's Worker.execute_forward runs in
+                output = stage(batch, args).output
     except ValueError as exc:
         return {"ok": False, "error": str(exc)}
     if rank == 0:
@@ -114,3 +119,12 @@ def test_a_rank_with_bad_latents_makes_every_rank_raise(tiny_ckpt, tmp_path):
     assert [r["ok"] for r in results] == [False, False, False], results
     assert "latents contain NaN or Inf" in results[1]["error"]
     assert all("rank 1 of the decode group rejected its latents" in r["error"] for r in (results[0], results[2]))
+
+
+def test_outside_a_request_each_rank_decodes_its_own_latents_alone(tiny_ckpt, tmp_path, single):
+    """A training loop's ranks call the VAE with their own latents, not in step: no rank waits for or hears from
+    another, so only the rank with bad latents raises."""
+    results = _run(3, tiny_ckpt, tmp_path, "bad rank 1, outside a request")
+    assert [r["ok"] for r in results] == [True, False, True], results
+    assert "latents contain NaN or Inf" in results[1]["error"]
+    assert torch.equal(torch.load(tmp_path / "ranks.pt"), single[0])

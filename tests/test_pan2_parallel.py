@@ -19,6 +19,7 @@ from _pan2_helpers import FASTVIDEO_CLI, OFFLINE, run
 
 pytestmark = pytest.mark.slow  # three FastVideo runs per test, two of them with two worker processes
 
+SAMPLE = Path(__file__).resolve().parents[1] / "fastvideo_pan2_ext" / "assets" / "sample_exif_rotated.jpg"
 REQUEST = {"height": 96, "width": 96, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 3.0, "seed": 5}
 
 SCRIPT = textwrap.dedent("""
@@ -27,14 +28,15 @@ SCRIPT = textwrap.dedent("""
     from fastvideo_pan2_ext import PAN2PipelineConfig
 
     if __name__ == "__main__":
-        checkpoint, ranks, sp_size, fsdp, precision, out = sys.argv[1:]
-        config = PAN2PipelineConfig(dit_precision=precision)
+        checkpoint, ranks, sp_size, fsdp, precision, image, out = sys.argv[1:]
+        kernels = image != "-"  # image-to-video with the fast encoder and decoder
+        config = PAN2PipelineConfig(dit_precision=precision, vae_decode_kernel=kernels, vae_encode_kernel=kernels)
         generator = VideoGenerator.from_pretrained(checkpoint, num_gpus=int(ranks), sp_size=int(sp_size),
                                                    use_fsdp_inference=fsdp == "fsdp", pipeline_config=config)
         try:
             result = generator.generate_video(prompt="a fox", negative_prompt="blurry", output_path=out + ".mp4",
                                               save_video=True, return_frames=True, return_trajectory_latents=True,
-                                              **REQUEST)
+                                              image_path=image if kernels else None, **REQUEST)
         finally:
             generator.shutdown()
         torch.save({"latents": result["trajectory"], "frames": torch.from_numpy(numpy.stack(result["frames"]))},
@@ -42,12 +44,12 @@ SCRIPT = textwrap.dedent("""
 """).replace("**REQUEST", ", ".join(f"{k}={v!r}" for k, v in REQUEST.items()))
 
 
-def _api(tiny_ckpt, tmp_path, ranks, sp_size=None, fsdp=False, precision="fp32"):
+def _api(tiny_ckpt, tmp_path, ranks, sp_size=None, fsdp=False, precision="fp32", image=None):
     script = tmp_path / "api.py"
     script.write_text(SCRIPT)
-    out = tmp_path / f"api-{ranks}{'-fsdp' if fsdp else ''}"
+    out = tmp_path / f"api-{ranks}{'-fsdp' if fsdp else ''}{'-i2v' if image else ''}"
     proc = run([sys.executable, str(script), str(tiny_ckpt), str(ranks), str(ranks if sp_size is None else sp_size),
-                "fsdp" if fsdp else "-", precision, str(out)], env_extra=OFFLINE, cwd=tmp_path)
+                "fsdp" if fsdp else "-", precision, str(image or "-"), str(out)], env_extra=OFFLINE, cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     saved = torch.load(f"{out}.pt")
@@ -78,6 +80,20 @@ def test_two_sequence_parallel_ranks_make_the_one_rank_video(tiny_ckpt, tmp_path
     cli = _cli(tiny_ckpt, tmp_path / "cli-2.mp4", "--generator.engine.num_gpus", "2",
                "--generator.engine.parallelism.sp_size", "2", "--generator.pipeline.experimental.dit_precision", "fp32")
     assert cli == two_video  # the CLI's two ranks run what the API's two ranks ran
+
+
+def test_the_ranks_of_a_request_split_the_fast_encode_and_decode_and_make_the_one_rank_video(tiny_ckpt, tmp_path):
+    """Image-to-video with the fast encoder and decoder on two sequence-parallel ranks: inside the request FastVideo's
+    executor handed both workers, the first frame's encode and the video's decode each split bands of rows over the
+    two ranks (`compat.executor.request_group`), and the latents and frames are the one-rank run's."""
+    one, one_frames, _, one_log = _api(tiny_ckpt, tmp_path, 1, image=SAMPLE)
+    two, two_frames, _, log = _api(tiny_ckpt, tmp_path, 2, image=SAMPLE)
+    for worker in ("encoder", "decoder"):
+        assert re.search(rf"fast VAE {worker}: .* one rank on cpu", one_log), (worker, one_log[-3000:])
+        assert len(re.findall(rf"fast VAE {worker}: .* rows split over the ranks on cpu", log)) == 2, worker
+    assert one.shape == two.shape == (1, 2, 48, 3, 6, 6) and one.abs().max() > 0.5
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-5 * one.abs().max().item())
+    assert (one_frames.int() - two_frames.int()).abs().max() <= 1
 
 
 def _dit_shares(log: str) -> list[tuple[int, int]]:

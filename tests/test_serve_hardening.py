@@ -109,7 +109,7 @@ def _cancel_on_rank(rank: int, world: int, tmp: str) -> list:
 
     from fastvideo_pan2_ext.fastvideo_integration import cancel, compat
 
-    compat.executor.decode_group = lambda: dist.group.WORLD  # the request's ranks, as FastVideo's world group has them
+    compat.executor.request_group = lambda: dist.group.WORLD  # the request's ranks, as FastVideo's world group has them
     compat.executor.local_torch_device = lambda: "cpu"
     flag = cancel.CancelFlag(f"{tmp}/flag-{rank}")
     batch = types.SimpleNamespace(extra={cancel.KEY: flag})

@@ -65,7 +65,7 @@ def check(batch, step: int, steps: int) -> None:
     if flag is None:
         return
     stop = flag.is_set()
-    group = compat.executor.decode_group()  # the request's ranks (None: one)
+    group = compat.executor.request_group()  # the request's ranks (None: one)
     if group is not None:  # ranks may look a moment apart: they stop at the step any of them saw the flag
         import torch
         import torch.distributed as dist

@@ -10,9 +10,10 @@ by default, set like any of its fields (Python: `pipeline_config.vae_config.enco
 FastVideo's `AutoencoderKLWan.encode(x)` is routed here when the switch is on (`wan_vae.route`): every
 Wan encode FastVideo makes (image-to-video's conditioning video, TI2V's first frame, video-to-video, the
 preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistribution` of the moments, in the VAE's
-dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. The encoder runs on
-this rank alone: each rank encodes its own input (preprocessing ranks hold different clips; inference ranks encode
-the same one). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, after one warning line per VAE and
+dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. As the decode, it
+splits bands of rows over the ranks of a request that FastVideo's executor handed every worker (they encode the same
+first frame or clip: `compat.executor.request_group`), and runs on the calling rank alone elsewhere (preprocessing
+and training ranks hold different clips). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, after one warning line per VAE and
 reason (the one fallback policy: `vae_kernel.fallback`).
 """
 
@@ -176,21 +177,23 @@ def vae_moved(vae) -> None:
 
 
 def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
-    """The fast encoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device and options. Its
+    """The fast encoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
+    group (`fast_decode.decoder_for`'s rule: inside a request on several ranks, bands of rows split over them). Its
     weights are prepared from the module's own and follow them (the encoder reads and compares them at every
     encode); they leave the device when the module does (`Workers.vae_moved`), and are prepared again at the next
     encode there."""
     opts = options(vae.config) or encoder_options.EncoderOptions()
+    group = None if opts.tiled else compat.executor.request_group()  # exact tiles are a single-rank encode
 
     def make() -> WanVAEEncoder:
-        # local: FastVideo's ranks may hold different videos (docs/design.md, "The fast encoder in FastVideo").
-        encoder = WanVAEEncoder(vae, device=device, local=True, **encoder_options.as_kwargs(opts))
+        encoder = WanVAEEncoder(vae, device=device, pg=group, local=group is None, **encoder_options.as_kwargs(opts))
         logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
-                    "reuse_steady %s, one rank on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
-                    opts.tile_rows, opts.max_memory, opts.reuse_steady, device)
+                    "reuse_steady %s, %s on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
+                    opts.tile_rows, opts.max_memory, opts.reuse_steady,
+                    "one rank" if group is None else "rows split over the ranks", device)
         return encoder
 
-    return _encoders.get_or_make(vae, (str(device), opts), make)
+    return _encoders.get_or_make(vae, (str(device), opts, id(group)), make)
 
 
 def encode(vae, x, fastvideo_encode):

@@ -60,7 +60,7 @@ def _vae_source(fastvideo_args) -> tuple[str, str | None]:
 
 
 def _is_root() -> bool:
-    group = compat.executor.decode_group()
+    group = compat.executor.request_group()
     return group is None or torch.distributed.get_rank(group) == 0
 
 

@@ -68,6 +68,7 @@ def register() -> None:
     streamed_save.install()
     kept_latents.install()
     compat.executor.on_execute_forward(request_failure.check_output)
+    compat.executor.run_requests_in_scope()
     serving.install()
     _registered = True
     logger.debug("fastvideo_pan2_ext registered with FastVideo")

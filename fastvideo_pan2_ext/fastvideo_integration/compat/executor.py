@@ -4,6 +4,8 @@ device of this one."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Callable
 
@@ -20,6 +22,8 @@ SEAMS = (
     Seam("fastvideo.worker.multiproc_executor", "MultiprocExecutor.execute_forward", "a decode that failed in the "
          "worker (its latents kept) comes back as a marker in the output batch's extra: the parent raises there, "
          "before FastVideo post-processes the placeholder output", replaced=True),
+    Seam("fastvideo.worker.gpu_worker", "Worker.execute_forward", "every worker runs the request the parent handed "
+         "them all: inside it, and only there, the ranks hold the same latents and first frame", replaced=True),
     Seam("fastvideo.distributed.parallel_state", "get_world_group", "the ranks of a request decode one video "
          "together over FastVideo's world group"),
 )
@@ -90,9 +94,42 @@ def on_execute_forward(check: Callable) -> None:
     replace_once(MultiprocExecutor, "execute_forward", make)
 
 
-def decode_group():
-    """The process group of the ranks that run this request together (FastVideo's world group), or None when it
-    runs on one rank."""
+_in_request = contextvars.ContextVar("fastvideo_pan2_ext_in_request", default=False)
+
+
+@contextlib.contextmanager
+def request_scope():
+    """Marks a request that every rank runs with the same inputs (what `request_group` reads)."""
+    token = _in_request.set(True)
+    try:
+        yield
+    finally:
+        _in_request.reset(token)
+
+
+def run_requests_in_scope() -> None:
+    """A worker's `Worker.execute_forward` (the request the parent handed every worker, `collective_rpc`) runs in
+    `request_scope`. Idempotent."""
+    from fastvideo.worker.gpu_worker import Worker
+
+    def make(original):
+        @functools.wraps(original)
+        def execute_forward(self, forward_batch, fastvideo_args):
+            with request_scope():
+                return original(self, forward_batch, fastvideo_args)
+
+        return execute_forward
+
+    replace_once(Worker, "execute_forward", make)
+
+
+def request_group():
+    """The process group of the ranks that run this request together (FastVideo's world group), or None: on one
+    rank, and outside a request the executor handed every worker (`request_scope`), where each rank calls
+    with its own data (FastVideo's preprocessing shards the dataset by rank, its training gives each rank a batch),
+    not in step."""
+    if not _in_request.get():
+        return None
     from fastvideo.distributed import parallel_state
 
     try:
@@ -100,3 +137,5 @@ def decode_group():
     except AssertionError:  # FastVideo's distributed environment is not initialized: one process
         return None
     return world.device_group if world.world_size > 1 else None
+
+
