@@ -11,7 +11,7 @@ then log-variance, unclamped), bit-identical in fp32 and bf16, both layouts, bui
 convs, norms, residual blocks and attention.
 
 
-The PAN2 section defines PAN2's sampler (docs/design.md, "PAN2") as diffusers' `PAN2Transformer3DModel` and IFM's
+The PAN2 section defines PAN2's sampler (docs/design/pan2.md, "PAN2") as diffusers' `PAN2Transformer3DModel` and IFM's
 pipeline compute it, read through vLLM-Omni's port (the one public implementation), plain functions over a state dict:
 `pan2_transformer` (the DiT over a state dict, in fp32 or bf16 with diffusers' precision rules), `pan2_rope`,
 `pan2_prompt_embeds` (Qwen3.5's `hidden_states[-3]` after the user header), `load_first_frame` (PAN2's own cover

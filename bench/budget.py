@@ -1,13 +1,13 @@
-"""The FLOP and byte budget of one real Wan2.2 decode, and the H200 time it implies (docs/design.md, "The FLOP and
-byte budget"). Counted, not estimated by hand: the decoder's own network runs on the meta device with an op table
+"""The FLOP and byte budget of one real Wan2.2 decode, and the H200 time it implies (docs/design/decoder.md, "The FLOP
+and byte budget"). Counted, not estimated by hand: the decoder's own network runs on the meta device with an op table
 that records every hot call's FLOPs and bytes, and a dispatch mode counts the bytes every other tensor op (the glue:
 history windows, copies, padding) reads and writes.
 
     python bench/budget.py [--frames 49] [--height 704] [--width 1248] [--fpp 4 1]
 
-Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the
-least any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not
-counted: they are bytes). The implied times use measured H200 rates (docs/design.md): a
+Per op: FLOPs are 2 x MACs; bytes are each input read once and each output written once (weights included), the least
+any kernel moves. Winograd F(2x2, 3x3) FLOPs are its 16 component GEMMs per 2x2 output tile (transforms not counted:
+they are bytes). The implied times use measured H200 rates (docs/benchmarks.md, "The speed goal, by arithmetic"): a
 lower bound for a decoder that runs its GEMMs at 790 TFLOP/s and moves every byte at 4.3 TB/s, one after the other.
 Writes bench/results/budget-<date>.json.
 """
@@ -34,7 +34,7 @@ from fastvideo_pan2_ext.vae_kernel.portable.network import CausalState, DecodePa
 from fastvideo_pan2_ext.vae_kernel.portable.ops import Ops  # noqa: E402
 from fastvideo_pan2_ext.vae_kernel.portable.weights import prepare  # noqa: E402
 
-GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on an H200 (docs/design.md, "The FLOP and byte budget")
+GEMM_FLOPS = 790e12  # bf16 8192^3 matmul on an H200 (docs/design/decoder.md, "The FLOP and byte budget")
 COPY_BYTES = 4.3e12  # device-to-device copy, bytes read + written, same machine
 
 

@@ -1,5 +1,5 @@
 """Peak working memory of the real Wan2.2 decoder by frames_per_pass, from the planner's replay on the meta device
-(no GPU needed; docs/design.md, "The decoder": memory planner).
+(no GPU needed; docs/design/decoder.md, "Memory planner").
 
     python bench/memory_plan.py [--frames 49] [--height 704] [--width 1248] [--fpp 1 2 4 8] [--tile-rows 11 4 2]
 

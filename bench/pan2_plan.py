@@ -1,5 +1,6 @@
 """PAN2 at its real size, by arithmetic: the memory plan (`model.memory`) and the compute per step (`model.cost`) for
-the GPUs and frame counts docs/design.md tabulates, written to a dated JSON under bench/results/.
+the GPUs and frame counts docs/benchmarks.md tabulates ("PAN2 at its real size, by arithmetic"), written to a dated
+JSON under bench/results/.
 
     python bench/pan2_plan.py [--out bench/results/pan2-plan-DATE.json]
 """

@@ -1,4 +1,4 @@
-"""What an out-of-memory retry costs (docs/design.md, "Out-of-memory retries"), on CPU.
+"""What an out-of-memory retry costs (docs/design/worker.md, "Out-of-memory retries"), on CPU.
 
     python bench/retry_cost.py [--frames 5] [--height 4] [--width 6] [--repeats 3]
 

@@ -1,5 +1,6 @@
 """Which of FastVideo's registered pipeline configs can take the fast decoder's switch
-(`vae_config.decode_kernel`, docs/design.md "The fast decoder in FastVideo"), measured on the installed FastVideo.
+(`vae_config.decode_kernel`, docs/design/fastvideo-integration.md "The fast decoder in FastVideo"), measured on the
+installed FastVideo.
 
     python bench/wan_vae_pipelines.py   # writes bench/results/wan-vae-pipelines-<date>.json (+ .md)
 

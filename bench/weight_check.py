@@ -1,7 +1,7 @@
 """The cost of the decoder's weight check: what `WanVAEDecoder.sync_weights` takes when the VAE is unchanged (every
-decode runs it first: docs/design.md, "What a weight change costs"), median of --repeats, beside the time to prepare
-the weights from scratch (`release_weights` then `sync_weights`: what a decode pays after the VAE came back to the
-device).
+decode runs it first: docs/design/worker.md, "What a weight change costs"), median of --repeats, beside the time to
+prepare the weights from scratch (`release_weights` then `sync_weights`: what a decode pays after the VAE came back to
+the device).
 
     python bench/weight_check.py [--decoder-base-dim 256] [--dtype bf16] [--cpu-compute fp32|bf16] [--out FILE]
 

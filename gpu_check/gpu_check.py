@@ -1,5 +1,5 @@
 """The GPU check of the compiled decoder, in two commands (run it through gpu_check/gpu_check.sh; docs/gpu-check.md says
-how, docs/design.md, "The GPU check", why).
+how, docs/design/gpu-check-rules.md, "The GPU check", why).
 
 Part 1 (`--part 1`, about 280 s on an H200): what decides the design, first.
 - build: cold then warm, each in a fresh process; the kernels' registers, spills and shared memory (ptxas -v);

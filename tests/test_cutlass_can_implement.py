@@ -11,8 +11,9 @@ conv each op becomes (conv_out's 12 channels widened to 16, the sub-pixel conv's
 Winograd GEMMs' taps) is the one the table really issues. Each is checked at the self-check's extents and at a 720p
 frame (1280 x 720, 4 frames).
 
-What this cannot check (it needs a GPU, see docs/design.md): the TMA descriptor encodes (driver calls in
-`initialize`; their rules are checked by our own code before it), shared-memory and launch limits, and the results.
+What this cannot check (it needs a GPU; docs/design/compiled-backend.md, "The compiled backend"): the TMA descriptor
+encodes (driver calls in `initialize`; their rules are checked by our own code before it), shared-memory and launch
+limits, and the results.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Out-of-memory retries (docs/design.md, "Out-of-memory retries"): a decode whose op runs out of memory decodes again
-from the start at a smaller plan and gives the video a decode planned that way from the start gives, bit for bit;
+"""Out-of-memory retries (docs/design/worker.md, "Out-of-memory retries"): a decode whose op runs out of memory decodes
+again from the start at a smaller plan and gives the video a decode planned that way from the start gives, bit for bit;
 the smallest plan failing raises with every plan tried; decode_iter restarts (DecodeRestart) once it has yielded
 frames, and the streamed save rewrites its file; two real gloo ranks with the failure on rank 1 alone retry together
 (or all raise) without hanging.

@@ -2,11 +2,11 @@
 blocks, no patchify, 8x) by both algorithms for the 3x3 convs (direct; Winograd F(2x2, 3x3)), portable path on CPU.
 
 Each variant: within the allowance against the fp32 reference (release = diffusers bf16), and as exact about how the
-work is split as the product promises (docs/design.md, "Definitions", "Winograd"): frames per pass, exact tiles,
-`max_memory`'s tiles, `decode_iter`'s chunks and bands over gloo ranks all give the same video bit for bit. Those
-equalities are by construction: the same ops, with the same reduction lengths in the same order, run on every route;
-only the extents the work is split along (frames, rows) differ, and the rank processes run at the test's thread
-count (`_threads`). The layout-specific facts (margins, self-check coverage) stay in test_decoder_wan21.py and
+work is split as the product promises (docs/design.md, "Definitions"; docs/design/decoder.md, "Winograd"): frames per
+pass, exact tiles, `max_memory`'s tiles, `decode_iter`'s chunks and bands over gloo ranks all give the same video bit
+for bit. Those equalities are by construction: the same ops, with the same reduction lengths in the same order, run on
+every route; only the extents the work is split along (frames, rows) differ, and the rank processes run at the test's
+thread count (`_threads`). The layout-specific facts (margins, self-check coverage) stay in test_decoder_wan21.py and
 test_decoder_tiling.py; Winograd's own op-level checks in test_winograd.py. The single-layout tests of these behaviours
 that test_decoder.py, test_decoder_tiling.py, test_decoder_memory.py, test_streaming.py and test_winograd.py held were
 merged here.

@@ -1,7 +1,7 @@
-"""`enable_fast_decode` on diffusers' own AutoencoderKLWan (docs/design.md, "The fast decoder and encoder in
-diffusers"): return types, dtypes, the allowance against diffusers' fp32 decode, the decoder built once and rebuilt
-when the weights change, autograd through diffusers' decode, slicing and exact tiling, the option checks, and what
-diffusers' own AutoencoderKLWan tests check (output shapes, save/load round trip, determinism, slicing and tiling,
+"""`enable_fast_decode` on diffusers' own AutoencoderKLWan (docs/design/diffusers-integration.md, "The fast decoder and
+encoder in diffusers"): return types, dtypes, the allowance against diffusers' fp32 decode, the decoder built once and
+rebuilt when the weights change, autograd through diffusers' decode, slicing and exact tiling, the option checks, and
+what diffusers' own AutoencoderKLWan tests check (output shapes, save/load round trip, determinism, slicing and tiling,
 training through `forward`, dtypes) with the fast decoder enabled on every model they build."""
 
 from __future__ import annotations

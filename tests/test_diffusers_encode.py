@@ -1,11 +1,11 @@
-"""`enable_fast_encode` on diffusers' own AutoencoderKLWan and on the real Wan pipelines that encode (docs/design.md,
-"The fast decoder and encoder in diffusers"), seeded random weights at narrow widths: the moments within rounding
-of diffusers' fp32 encode (mean and logvar each), diffusers' own distribution (mode, mean, clamped logvar, the same
-draw from the same generator), return types, slicing, `enable_tiling()` as exact tiles, the fallbacks (autograd, a VAE
-outside the architecture, one offloaded layer by layer) with one warning, offload hooks first, copies, the option
-checks, the two switches independent of each other, and the pipelines (Wan2.1 and Wan2.2 image-to-video,
-video-to-video, VACE) within a tight bound of diffusers' with the switch on, and diffusers' bit for bit after
-`disable_fast_encode`."""
+"""`enable_fast_encode` on diffusers' own AutoencoderKLWan and on the real Wan pipelines that encode
+(docs/design/diffusers-integration.md, "The fast decoder and encoder in diffusers"), seeded random weights at narrow
+widths: the moments within rounding of diffusers' fp32 encode (mean and logvar each), diffusers' own distribution (mode,
+mean, clamped logvar, the same draw from the same generator), return types, slicing, `enable_tiling()` as exact tiles,
+the fallbacks (autograd, a VAE outside the architecture, one offloaded layer by layer) with one warning, offload hooks
+first, copies, the option checks, the two switches independent of each other, and the pipelines (Wan2.1 and Wan2.2
+image-to-video, video-to-video, VACE) within a tight bound of diffusers' with the switch on, and diffusers' bit for bit
+after `disable_fast_encode`."""
 
 from __future__ import annotations
 

@@ -1,19 +1,26 @@
 """Every citation in the repository names something that exists: a section of a document (docs/design.md,
-"Definitions": a heading of that title in that file), a file (tests/test_error_types.py, fastvideo_integration/uploads.py, with
+"Definitions", or a note beside it, docs/design/worker.md, "Out-of-memory retries": a heading of that title in that
+file), a file (tests/test_error_types.py, fastvideo_integration/uploads.py, with
 a `:LINE` not past its end) and a module path in backquotes (`vae_kernel.definitions.precision.exact_fp32`,
 `memory.MemoryPlanner.retry_plan`). Read from the text alone: nothing is imported or run.
 
 The forms checked, as the repository writes them, in its .py, .md, .yaml and .sh files (not .venv, .git, out/ and
 the other ignored folders; not this file, whose examples are planted mistakes):
-- a section: `docs/NAME.md` (or `NAME.md` beside the citing document, `[docs/NAME.md](docs/NAME.md)`, `README`), then
+- a section: `docs/NAME.md` or `docs/FOLDER/NAME.md` (or `NAME.md` or `FOLDER/NAME.md` beside the citing document,
+  `../NAME.md` above it, `[docs/NAME.md](docs/NAME.md)`, `README`), then
   `, "Title"`, ` "Title"`, ` ("Title"` or `'s "Title"`, and any further `, "Title"`s; a title may run over lines
   (each line's indentation and comment marker are dropped). The document has a markdown heading whose text is the
   title, or the title and a trailing parenthesis (`## The encoder (`vae_kernel.encoder`, ...)` answers "The encoder").
-- a file: a path whose first folder is one at the repository's root (`bench/`, `gpu_check/`, ...) or a folder of the
-  tree (fastvideo_integration/compat/seams.py: some `fastvideo_integration/` folder holds compat/seams.py), or, in a
-  document, a path from `../`; the
-  file exists, and a `:LINE` after it is at most its line count. Placeholders (`<date>`, `*`, `X.json`, `DATE`) are
-  not citations. A bare `name.py:LINE` names another project's file (FastVideo's) and is not checked.
+- a file: a path with at least one folder, ending in .py, .md, .sh, .yaml, .json, .toml, .txt, .cu, .cpp or .h
+  (`bench/budget.py`, `docs/design/pan2.md`), or, in a document, a path from `../`; the file exists, and a `:LINE` after
+  it is at most its line count. Its first folder is one at the repository's root (`bench/`, `gpu_check/`, ...), or a
+  folder of the tree (fastvideo_integration/compat/seams.py: some `fastvideo_integration/` folder holds
+  compat/seams.py), or neither: then the path is read from the root, so a folder that no longer exists (`tools/`) is a
+  missing file, not a silent pass. Not citations of this repository: a path whose first folder is named in `EXTERNAL`
+  (another project's package, `fastvideo/...`, `ray/...`; a checkpoint's folder, `vae/config.json`), a path in a dated
+  record under bench/results/ whose first folder is in no part of the tree (it quotes the tree of its date), URLs (a
+  path is never read right after a `/`, so never inside one), placeholders (`<date>`, `*`, `X.json`, `DATE`), and a bare
+  `name.py:LINE` (another project's file, FastVideo's).
 - a module path: a dotted name in backquotes whose leading parts end the dotted path of one of the tree's modules
   (`stages`, `fastvideo_integration.stages`, `fastvideo_pan2_ext.fastvideo_integration.stages`; the longest such). The next part is a
   name the module binds at its top level (for a module with a `__getattr__`, also a name its tables list), and the
@@ -124,8 +131,8 @@ def flattened(path: Path, text: str) -> tuple[str, list[int]]:
     return " ".join(lines), starts
 
 
-DOCUMENT = (r"(?:\[(?P<linked>(?:\.\./|docs/)?[\w-]+\.md)\]\([^)\s]*\)"
-            r"|(?<![\w/.-])(?P<plain>(?:\.\./|docs/)?[\w-]+\.md)"
+DOCUMENT = (r"(?:\[(?P<linked>(?:\.\./|docs/)?(?:[\w-]+/)*[\w-]+\.md)\]\([^)\s]*\)"
+            r"|(?<![\w/.-])(?P<plain>(?:\.\./|docs/)?(?:[\w-]+/)*[\w-]+\.md)"
             r"|(?<![\w/.-])(?P<readme>README)(?![\w.]))")
 TITLES = r'(?:, ?| \(| |\'s )(?P<titles>"[^"]+"(?:, ?"[^"]+")*)'
 SECTION_CITATION = re.compile(DOCUMENT + TITLES)
@@ -166,6 +173,11 @@ def broken_section_citations(path: Path, text: str | None = None) -> list[str]:
 FILE_CITATION = re.compile(r"(?<![\w/.$~-])(?P<path>(?:\.\./)*[\w.-]+(?:/[\w.-]+)+\.(?:py|md|sh|yaml|json|toml|txt|"
                            r"cu|cpp|h))(?::(?P<line>\d+))?(?![\w/])")
 PLACEHOLDER = re.compile(r"(?:^|[/-])(?:[A-Z]+|DATE)(?=[.-])")
+RESULTS = REPO / "bench" / "results"
+# First folders of paths that are not this repository's: other projects' packages and folders (FastVideo, diffusers
+# and its modular_pipelines, Ray, pybind11, CUTLASS's include/, a wheel's .dist-info/), and a checkpoint's folders.
+EXTERNAL = frozenset({"fastvideo", "diffusers", "modular_pipelines", "transformers", "torch", "ray", "pybind11",
+                      "include", ".dist-info", "vae", "transformer", "text_encoder", "tokenizer", "scheduler"})
 
 
 def cited_file(path: str, citing: Path) -> Path | None:
@@ -182,7 +194,11 @@ def cited_file(path: str, citing: Path) -> Path | None:
     for parent in parents:
         if (parent / path).exists():
             return parent / path
-    return parents[0] / path if parents else None
+    if parents:
+        return parents[0] / path
+    if first in EXTERNAL or RESULTS in citing.parents:
+        return None
+    return REPO / path
 
 
 def broken_file_citations(path: Path, text: str | None = None) -> list[str]:
@@ -326,14 +342,16 @@ def test_the_checks_see_the_forms_in_use():
     """Each form a citation takes in this repository is read, and a wrong one is named (in a text read as if it were a
     file of the tree; nothing is written)."""
     citing = REPO / "bench" / "planted_citations.py"
-    lines = ['"""docs/design.md, "Definitions"; docs/design.md "Winograd"; docs/design.md ("Rooms");',  # 1
-             'docs/design.md, "Out-of-memory',  # 2
-             '    retries", "Definitions"; [docs/diffusers.md](docs/diffusers.md),',  # 3
+    lines = ['"""docs/design.md, "Definitions"; docs/design/decoder.md "Winograd"; docs/design.md ("Rooms");',  # 1
+             'docs/design/worker.md, "Out-of-memory',  # 2
+             '    retries", "One fallback policy"; [docs/diffusers.md](docs/diffusers.md),',  # 3
              '"`enable_fast_encode`"; README, "Serving"; README\'s "Try it"; docs/fastvideo.md, "Scaling out".',  # 4
-             'docs/design.md, "No such section"; docs/nowhere.md, "Rooms"; the bar ("VAE decode")',  # 5
+             'docs/design.md, "No such section"; docs/nowhere.md, "Rooms"; the bar ("VAE decode");'
+             ' docs/design/pan2.md, "Winograd"',  # 5
              "tests/test_docs_citations.py:1 gpu_check/no_such_script.py fastvideo_integration/no_such.py "
              "fastvideo_integration/compat/seams.py",  # 6
-             "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py",  # 7
+             "tests/test_docs_citations.py:100000 bench/results/X.json component_loader.py:778 ../x/y.py "
+             "tools/make_gpu_bundle.sh vae/config.json fastvideo/models/loader/component_loader.py",  # 7
              "`vae_kernel.definitions.precision.exact_fp32` `vae_kernel.precision.exact_fp32` `memory.retry_plan`",  # 8
              "`memory.no_such_plan` `torch.equal` `fa4.py` `fastvideo_pan2_ext.vae_kernel.WanVAEDecoder`",  # 9
              "`weights.PreparedWeights.no_such_method` `bands.RankRows.check_peers`",  # 10
@@ -341,16 +359,18 @@ def test_the_checks_see_the_forms_in_use():
     text = "\n".join(lines) + "\n"
     sections = [(line, title) for line, _, _, title in section_citations(citing, text)]
     assert sections == [(1, "Definitions"), (1, "Winograd"), (1, "Rooms"), (2, "Out-of-memory retries"),
-                        (2, "Definitions"), (3, "`enable_fast_encode`"), (4, "Serving"), (4, "Try it"),
-                        (4, "Scaling out"), (5, "No such section"), (5, "Rooms")]
+                        (2, "One fallback policy"), (3, "`enable_fast_encode`"), (4, "Serving"), (4, "Try it"),
+                        (4, "Scaling out"), (5, "No such section"), (5, "Rooms"), (5, "Winograd")]
     assert broken_section_citations(citing, text) == [
         'bench/planted_citations.py:5: docs/design.md, "No such section": no such heading in docs/design.md',
-        'bench/planted_citations.py:5: docs/nowhere.md, "Rooms": no such document']
+        'bench/planted_citations.py:5: docs/nowhere.md, "Rooms": no such document',
+        'bench/planted_citations.py:5: docs/design/pan2.md, "Winograd": no such heading in docs/design/pan2.md']
     assert broken_file_citations(citing, text) == [
         "bench/planted_citations.py:5: docs/nowhere.md: no such file",
         "bench/planted_citations.py:6: gpu_check/no_such_script.py: no such file",
         "bench/planted_citations.py:6: fastvideo_integration/no_such.py: no such file",
-        "bench/planted_citations.py:7: tests/test_docs_citations.py:100000: past the file's end"]
+        "bench/planted_citations.py:7: tests/test_docs_citations.py:100000: past the file's end",
+        "bench/planted_citations.py:7: tools/make_gpu_bundle.sh: no such file"]
     assert broken_module_paths(citing, text) == [
         ("bench/planted_citations.py:8: `vae_kernel.precision.exact_fp32`: no module vae_kernel.precision and no "
          "precision in vae_kernel"),

@@ -4,7 +4,7 @@ on the same rows, at one thread), for both layouts, both precisions, uneven band
 (skipped by every rank together); and the group's rounds are the decoder's: bad or different input on one rank is a
 ValueError on every rank, so are weights that differ (the decoder's too), an error on one rank reaches every rank,
 and running out of memory on one rank makes the whole group retry at a smaller plan, with the same moments
-(docs/design.md, "The encoder").
+(docs/design/encoder.md, "The encoder").
 """
 
 from __future__ import annotations

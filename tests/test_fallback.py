@@ -1,4 +1,4 @@
-"""One fallback policy (docs/design.md, "One fallback policy"; `vae_kernel.fallback`): where a fast worker cannot
+"""One fallback policy (docs/design/worker.md, "One fallback policy"; `vae_kernel.fallback`): where a fast worker cannot
 serve a call, the stock method runs after one warning per VAE and reason, in both integrations and for both routes.
 The diffusers routes' and FastVideo's encode's cases are tested with them (test_diffusers_decode.py,
 test_diffusers_encode.py, test_fast_encode.py); here FastVideo's decode route, which takes the same policy."""

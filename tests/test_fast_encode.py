@@ -1,9 +1,10 @@
-"""The fast encoder in FastVideo (`fastvideo_integration.fast_encode`, docs/design.md "The fast encoder in FastVideo"):
+"""The fast encoder in FastVideo (`fastvideo_integration.fast_encode`, docs/design/fastvideo-integration.md "The fast
+encoder in FastVideo"):
 
 - FastVideo's own `AutoencoderKLWan` (built tiny from its `WanVAEConfig`, both layouts, seeded random weights):
   `encode_kernel` off returns FastVideo's encode exactly; on, FastVideo's `DiagonalGaussianDistribution` of moments
   within fp32 rounding of it (mean and logvar separately), whose `.sample(generator)` draws what FastVideo's draws;
-  its options reach the encoder; it follows the VAE's weights and place (docs/design.md, "One worker core");
+  its options reach the encoder; it follows the VAE's weights and place (docs/design/worker.md, "One worker core");
 - every case the fast encoder cannot serve runs FastVideo's own encode, with one warning line;
 - PAN2's `vae_encode_*` switches (views of `vae_config.encode_*`), checked before any model loads: in the CLI every
   encoder and decoder mistake (a value, a misspelt name, `backend cuda` without a GPU, a `max_memory` the request

@@ -1,6 +1,6 @@
 """FastVideo's compat package (`fastvideo_integration.compat`): it alone names FastVideo's modules, every FastVideo
 name it imports is a seam of its table, and a FastVideo that lacks a seam is a single error line at `register()`
-(docs/design.md, "FastVideo facts relied on")."""
+(docs/design/fastvideo-integration.md, "FastVideo facts relied on")."""
 
 from __future__ import annotations
 

@@ -321,7 +321,7 @@ def _check_pan2_options(result: dict, size: list) -> None:
     process per run, in turn: each run's final latents and frames held to its reference run's. On this CPU the
     compat package turns the three offloads off (recorded so: asked for, off in the worker, the plain run's numbers bit for
     bit); FSDP runs over one gloo rank (every DiT parameter a DTensor, bf16) and gives the plain bf16 run's latents;
-    FSDP's bf16 gather against the fp32 run is a few percent (docs/design.md, "The transformer")."""
+    FSDP's bf16 gather against the fp32 run is a few percent (docs/design/pan2.md, "The transformer")."""
     height, width, frames, steps = size
     assert result["ok"] is True, result
     assert "site-packages" in result["fastvideo"] and result["together"] == 1 and result["rounding"] == 1e-5

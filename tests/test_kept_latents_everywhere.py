@@ -1,5 +1,5 @@
 """A failed decode keeps the latents for every PAN2 request with the fast decoder on, not only the streamed ones, and
-`VideoGenerator` raises `DecodeFailed` itself (docs/design.md, "Kept latents and the decode command").
+`VideoGenerator` raises `DecodeFailed` itself (docs/design/outputs.md, "Kept latents and the decode command").
 
 The failure is injected from the test, never by a switch in the product: in this process by wrapping
 `WanVAEDecoder.decode` (what FastVideo's own decode calls when the fast decoder is on), in FastVideo's worker

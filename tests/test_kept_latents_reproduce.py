@@ -1,6 +1,6 @@
-"""Kept latents reproduce the video (docs/design.md, "Kept latents and the decode command"): for a checkpoint given as
-a hub id and a bf16 VAE, the file records the hub id, the commit FastVideo loaded and the VAE's dtype, and the decode
-command the failure line prints, run exactly as printed in a new process, makes bit for bit the video the failed
+"""Kept latents reproduce the video (docs/design/outputs.md, "Kept latents and the decode command"): for a checkpoint
+given as a hub id and a bf16 VAE, the file records the hub id, the commit FastVideo loaded and the VAE's dtype, and the
+decode command the failure line prints, run exactly as printed in a new process, makes bit for bit the video the failed
 decode would have made.
 
 The hub is a local Hugging Face cache laid out as huggingface_hub lays it out (`models--org--name/refs/main`,

@@ -1,5 +1,5 @@
-"""No file the product writes can be redirected (docs/design.md, "The streamed save and atomic output"): links planted
-at every name it writes or used to write (the write probe `.<name>.probe-<pid>`, the partial file
+"""No file the product writes can be redirected (docs/design/outputs.md, "The streamed save and atomic output"): links
+planted at every name it writes or used to write (the write probe `.<name>.probe-<pid>`, the partial file
 `.<name>.partial.mp4`, the final name, a parent folder) touch no file outside the output, for `video_io` itself (the
 writer every save goes through), the streamed save's two halves (the parent's partial file, the worker's writer),
 the decode command and `fastvideo generate --pipeline pan2`. A victim is a file in tmp_path: its bytes and mtime

@@ -308,7 +308,7 @@ def test_two_sequence_parallel_ranks_give_one_ranks_output(loaded, checkpoint, t
 
 
 def test_every_attention_goes_through_fastvideos_chosen_backend(loaded, monkeypatch):
-    """FastVideo's backend choice is where FA4 acts (FASTVIDEO_FA4, docs/design.md, "The transformer"): each joint
+    """FastVideo's backend choice is where FA4 acts (FASTVIDEO_FA4, docs/design/pan2.md, "The transformer"): each joint
     block's and each refiner block's attention must be a call of the backend FastVideo chose (here its SDPA backend,
     the one a CPU gets), never torch's attention called directly. Recorded at the backend's forward and at torch's."""
     import torch.nn.functional as F

@@ -67,7 +67,8 @@ def test_sizes_come_from_the_checkpoints_files(tiny_ckpt):
 
 
 def test_the_real_size_table():
-    """docs/design.md, "PAN2's memory plan": what fits one H100 (80 GB), one H200 (141 GB), one B200 (180 GB)."""
+    """docs/design/pan2.md, "PAN2's memory plan" (the table: docs/benchmarks.md, "PAN2 at its real size, by
+    arithmetic"): what fits one H100 (80 GB), one H200 (141 GB), one B200 (180 GB)."""
     h100, h200, b200 = 80 * GB, 141 * GB, 180 * GB
     assert memory.video_tokens(REAL, R241) == 52_338 and memory.video_tokens(REAL, R481) == 103_818
     bare = memory.plan(REAL, R241)

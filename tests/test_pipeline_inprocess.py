@@ -135,7 +135,7 @@ def test_text_encoder_offload_gives_the_plain_latents_and_leaves_the_encoder_par
     """`text_encoder_cpu_offload` on the worker's args (a GPU-less run turns it off when the args are made,
     `compat.cpu_gaps.use_cpu_settings`): two requests in a row each give the plain run's latents, and after each the
     encoder's weights are on the CPU, unchanged. Here the encoder computes where it rests: its move onto a GPU and back
-    needs one (docs/design.md, "PAN2's memory plan")."""
+    needs one (docs/design/pan2.md, "PAN2's memory plan")."""
     pipeline, args = pan2
     encoder = pipeline.get_module("text_encoder")
     weights = {name: value.clone() for name, value in encoder.state_dict().items()}

@@ -1,7 +1,7 @@
-"""Output on terminals and in logs (docs/design.md, "Output on terminals and in logs"): run as a user runs them with
-stdout on a pipe and stderr in a file (`cmd 2> log | tee`, a CI log), the package's commands write plain lines: no
-ANSI escape sequence (no ESC byte) and no carriage-return progress updates. On a real terminal (a pseudo-terminal)
-the decoder's progress bar is still drawn and FastVideo's colours are kept, except with NO_COLOR set.
+"""Output on terminals and in logs (docs/design/fastvideo-integration.md, "Output on terminals and in logs"): run as a
+user runs them with stdout on a pipe and stderr in a file (`cmd 2> log | tee`, a CI log), the package's commands write
+plain lines: no ANSI escape sequence (no ESC byte) and no carriage-return progress updates. On a real terminal (a
+pseudo-terminal) the decoder's progress bar is still drawn and FastVideo's colours are kept, except with NO_COLOR set.
 `fastvideo generate`, the demo and `fastvideo serve` are checked on their own runs' output in test_e2e_generate.py
 and test_serve.py."""
 

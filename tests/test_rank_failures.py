@@ -1,6 +1,6 @@
-"""No rank waits past a bound (docs/design.md, "Out-of-memory retries": several ranks never hang): an error on one
-rank of a decode group reaches every rank within seconds, whatever the stage of the decode, and every rank raises: the
-failing rank its own error, the others one naming that rank and the error's first line. The group decodes normally
+"""No rank waits past a bound (docs/design/worker.md, "Several ranks never hang"): an error on
+one rank of a decode group reaches every rank within seconds, whatever the stage of the decode, and every rank raises:
+the failing rank its own error, the others one naming that rank and the error's first line. The group decodes normally
 afterwards (no rank was left behind in a collective).
 
 Two real gloo ranks whose group timeout is long (120 s): a rank left waiting for a peer would wait that long. The stages

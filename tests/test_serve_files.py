@@ -1,5 +1,5 @@
-"""What a PAN2 server leaves on disk and holds open (docs/design.md, "Serving"; issue 38's review), on one real server
-on loopback: the shipped example config on the tiny checkpoint, keeping its 2 newest videos
+"""What a PAN2 server leaves on disk and holds open (docs/design/serving.md, "Serving"; issue 38's review), on one real
+server on loopback: the shipped example config on the tiny checkpoint, keeping its 2 newest videos
 (`server.max_kept_videos`), with a `default_request.output.output_path` of the operator's (relative: from the
 server's working folder, as FastVideo takes it).
 

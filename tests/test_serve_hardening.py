@@ -1,6 +1,6 @@
-"""PAN2's server against what one careless or hostile client can do (docs/design.md, "Serving"; issue 38), on one real
-server on loopback started from a plain FastVideo serve config: no `pipeline: pan2`, only the tiny PAN2 checkpoint
-as its `model_path` (its `server:` sets a few of PAN2's limits shorter, which only a PAN2 server accepts).
+"""PAN2's server against what one careless or hostile client can do (docs/design/serving.md, "Serving"; issue 38), on
+one real server on loopback started from a plain FastVideo serve config: no `pipeline: pan2`, only the tiny PAN2
+checkpoint as its `model_path` (its `server:` sets a few of PAN2's limits shorter, which only a PAN2 server accepts).
 
 - PAN2's rules apply however the config names the pipeline: two clients at once each get their own video.
 - Every limit refuses at submission with one line and a 4xx: an absurd size, step count or frame count (400), a

@@ -1,6 +1,6 @@
-"""The fast decoder's switch (`vae_config.decode_kernel`, docs/design.md "The fast decoder in FastVideo") on FastVideo's
-own Wan pipelines, with tiny stock checkpoints (`demo.tiny_checkpoints --layout wan2.2-ti2v | wan2.1-t2v`, in folders
-named like the hub models: FastVideo matches a local folder to its config by name):
+"""The fast decoder's switch (`vae_config.decode_kernel`, docs/design/fastvideo-integration.md "The fast decoder in
+FastVideo") on FastVideo's own Wan pipelines, with tiny stock checkpoints (`demo.tiny_checkpoints --layout wan2.2-ti2v |
+wan2.1-t2v`, in folders named like the hub models: FastVideo matches a local folder to its config by name):
 
 - stock Wan2.2-TI2V-5B through `fastvideo generate --config run.yaml`, switch on (dotted override), off, and off
   explicitly (the two off videos byte-identical);

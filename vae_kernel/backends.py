@@ -1,5 +1,5 @@
 """Which op table a decoder runs: the portable one or the compiled one (where it is built and verified), with the
-3x3 spatial convs direct or by Winograd F(2x2, 3x3) (docs/design.md, "Winograd")."""
+3x3 spatial convs direct or by Winograd F(2x2, 3x3) (docs/design/decoder.md, "Winograd")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`WanVAEEncoder`: the fast Wan VAE encoder's public API (docs/design.md, "The encoder").
+"""`WanVAEEncoder`: the fast Wan VAE encoder's public API (docs/design/encoder.md, "The encoder").
 
 The same math as `reference.encode` (diffusers' `AutoencoderKLWan.encode`), on the machinery it shares with the
 decoder: the op table, the causal histories, the prepared weights that follow the VAE (`weights.PreparedWeights` with
@@ -79,7 +79,7 @@ class WanVAEEncoder(Worker):
     DiagonalGaussianDistribution), so that `.mode()`, `.mean` and `.sample(generator)` draw what that class would.
 
     Every plan gives the same moments bit for bit at a given precision: frames per pass, tiles, batch samples and
-    the steady reuse run the same ops on the same inputs (docs/design.md, "The encoder": exact by construction).
+    the steady reuse run the same ops on the same inputs (docs/design/encoder.md, "Exact by construction").
     """
 
     WORK = "encode"

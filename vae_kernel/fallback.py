@@ -1,5 +1,5 @@
 """One fallback policy for every route of a Wan VAE's `decode` / `encode` to a fast worker, in both integrations
-(docs/design.md, "One fallback policy").
+(docs/design/worker.md, "One fallback policy").
 
 Where the fast worker cannot serve a call (a VAE outside its architecture, weights it cannot take, diffusers'
 layerwise casting or hooks, a compiled module, weights offloaded layer by layer, autograd recording, an input it does

@@ -1,4 +1,4 @@
-"""The fast decoder's and the fast encoder's options, defined once (README, "The options"; docs/design.md, "The
+"""The fast decoder's and the fast encoder's options, defined once (README, "The options"; docs/design/decoder.md, "The
 decoder").
 
 Each option is a name, a type, a default, what it means, its check and whether it applies to the decode, the encode

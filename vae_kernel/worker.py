@@ -1,4 +1,4 @@
-"""The worker core under `WanVAEDecoder` and `WanVAEEncoder` (docs/design.md, "One worker core").
+"""The worker core under `WanVAEDecoder` and `WanVAEEncoder` (docs/design/worker.md, "One worker core").
 
 What a decode and an encode share, once: where the work runs (`module_device`, `resolve_device`, `resolve_group`),
 the prepared weights that follow the VAE (`Worker.sync_weights`, `follow_vae`, `release_weights`), the tiling
@@ -96,8 +96,8 @@ class Worker:
         self._comm_device = None if self.pg is None else comm_device(self.pg, self.device)
         self._ceilings: dict[tuple, Plan] = {}  # a shape -> the plan a retry chose: plans stay below it
         self.last_plan: Plan | None = None  # what the latest call ran (the ranks' agreed plan)
-        # The plans the latest call ran out of memory at, in order (docs/design.md, "Out-of-memory retries"); empty
-        # when the first plan held.
+        # The plans the latest call ran out of memory at, in order (docs/design/worker.md, "Out-of-memory retries");
+        # empty when the first plan held.
         self.last_retries: tuple[Plan, ...] = ()
 
     @property
@@ -123,7 +123,7 @@ class Worker:
         return LocalRows(height) if self.pg is None else RankRows(height, self.pg, self.device, self.ops.row_multiple)
 
     # ---------------------------------------------------------------------------------------------------------------
-    # The weights follow the VAE (weights.PreparedWeights; docs/design.md, "What a weight change costs")
+    # The weights follow the VAE (weights.PreparedWeights; docs/design/worker.md, "What a weight change costs")
     # ---------------------------------------------------------------------------------------------------------------
 
     def sync_weights(self) -> bool:
@@ -218,7 +218,7 @@ class Worker:
         return memory.smallest(Plan(fpp, None) for fpp in agree(self.pg, self._comm_device, request, self.WORK))
 
     # ---------------------------------------------------------------------------------------------------------------
-    # The attempts and their retries (docs/design.md, "Out-of-memory retries")
+    # The attempts and their retries (docs/design/worker.md, "Out-of-memory retries")
     # ---------------------------------------------------------------------------------------------------------------
 
     def _attempts(self, job: Job, start: tuple[Plan, LocalRows],

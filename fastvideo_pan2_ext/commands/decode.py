@@ -1,4 +1,4 @@
-"""Latents to video, in one command (docs/design.md, "Kept latents and the decode command"):
+"""Latents to video, in one command (docs/design/outputs.md, "Kept latents and the decode command"):
 
     python -m fastvideo_pan2_ext.decode LATENTS [--vae PATH] [-o OUT.mp4] [--fps N] [--frames-per-pass N|auto]
         [--tile-rows N | --max-memory BYTES] [--backend auto|cuda|torch] [--conv-algorithm auto|direct|winograd]

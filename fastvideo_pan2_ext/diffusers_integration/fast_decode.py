@@ -1,5 +1,5 @@
 """The fast decoder for diffusers' Wan VAE: `enable_fast_decode(target, **options)` / `disable_fast_decode(target)`
-(docs/design.md, "The fast decoder and encoder in diffusers").
+(docs/design/diffusers-integration.md, "The fast decoder and encoder in diffusers").
 
 `target` is a diffusers `AutoencoderKLWan` or a pipeline whose `.vae` is one (`WanPipeline`,
 `WanImageToVideoPipeline`, `WanVideoToVideoPipeline`, ...). After `enable_fast_decode`, the VAE's `decode(z,

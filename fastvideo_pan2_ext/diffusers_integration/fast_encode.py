@@ -1,5 +1,5 @@
 """The fast encoder for diffusers' Wan VAE: `enable_fast_encode(target, **options)` / `disable_fast_encode(target)`
-(docs/design.md, "The fast decoder and encoder in diffusers").
+(docs/design/diffusers-integration.md, "The fast decoder and encoder in diffusers").
 
 `target` is a diffusers `AutoencoderKLWan` or a pipeline whose `.vae` is one (`WanImageToVideoPipeline`, Wan2.1 I2V
 and Wan2.2 TI2V; `WanVideoToVideoPipeline`; `WanVACEPipeline`; ...). After `enable_fast_encode`, the VAE's

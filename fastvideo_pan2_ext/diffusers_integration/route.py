@@ -1,6 +1,6 @@
 """A method of diffusers' Wan VAE routed to this package: what `enable_fast_decode` (`decode` -> `WanVAEDecoder`)
-and `enable_fast_encode` (`encode` -> `WanVAEEncoder`) share (docs/design.md, "The fast decoder and encoder in
-diffusers").
+and `enable_fast_encode` (`encode` -> `WanVAEEncoder`) share (docs/design/diffusers-integration.md, "The fast decoder
+and encoder in diffusers").
 
 A switch puts two instance attributes on diffusers' `AutoencoderKLWan`: its state (a `Route` subclass, under the
 subclass's `attribute`) and the method itself, `functools.partial(call, vae, method)`; while any route is on, a third,

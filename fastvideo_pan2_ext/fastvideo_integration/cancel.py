@@ -1,4 +1,4 @@
-"""DELETE of a running served job stops it at its next denoising step (docs/design.md, "Serving").
+"""DELETE of a running served job stops it at its next denoising step (docs/design/serving.md, "Serving").
 
 The server's job thread runs each job inside `cancellable(flag)`, `flag` a `CancelFlag`: a file name in a private
 folder of the server (the flag is set when the file exists: every process of the machine sees it, with no channel of

@@ -1,5 +1,5 @@
-"""What the parent and the decoding stage tell each other about a failed decode (docs/design.md, "Kept latents and the
-decode command"), imported by both sides (`streamed_save` in the parent, `kept_latents` in the worker):
+"""What the parent and the decoding stage tell each other about a failed decode (docs/design/outputs.md, "Kept latents
+and the decode command"), imported by both sides (`streamed_save` in the parent, `kept_latents` in the worker):
 
 - `keeps_latents(args)`: the requests whose failed decode keeps its latents;
 - `KeepLatentsRequest` (parent -> worker, in `batch.extra[REQUEST_KEY]`): where to keep them, and the video's fps;

@@ -1,5 +1,5 @@
 """The fast decoder inside FastVideo: every Wan VAE whose config says `decode_kernel=True` decodes through
-`vae_kernel.WanVAEDecoder` (docs/design.md, "The fast decoder in FastVideo").
+`vae_kernel.WanVAEDecoder` (docs/design/fastvideo-integration.md, "The fast decoder in FastVideo").
 
 FastVideo's `WanVAEConfig` gets the switch `decode_kernel: bool = False` (decode with the fast decoder) and one field
 `decode_<name>` per decoder option (`vae_kernel.options.OPTIONS`: decode_frames_per_pass, decode_tile_rows,

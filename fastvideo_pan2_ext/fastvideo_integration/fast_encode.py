@@ -1,5 +1,5 @@
 """The fast encoder inside FastVideo: every Wan VAE whose config says `encode_kernel=True` encodes through
-`vae_kernel.WanVAEEncoder` (docs/design.md, "The fast encoder in FastVideo").
+`vae_kernel.WanVAEEncoder` (docs/design/fastvideo-integration.md, "The fast encoder in FastVideo").
 
 FastVideo's `WanVAEConfig` gets the switch `encode_kernel: bool = False` and one field `encode_<name>` per encoder
 option (`vae_kernel.options.ENCODE_OPTIONS`: encode_frames_per_pass, encode_tile_rows, encode_max_memory,

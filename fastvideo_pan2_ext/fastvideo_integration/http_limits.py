@@ -1,4 +1,5 @@
-"""What one HTTP request may cost a PAN2 server, at the HTTP layer (docs/design.md, "Serving"): bytes and seconds.
+"""What one HTTP request may cost a PAN2 server, at the HTTP layer (docs/design/serving.md, "Serving"): bytes and
+seconds.
 
 - `BodyLimits` (ASGI middleware): a request body over its limit is a 413 with one line, at once when its
   Content-Length says so, else as soon as that many bytes have come (a chunked body is counted); a body not all

@@ -1,4 +1,4 @@
-"""A failed decode keeps the latents (docs/design.md, "Kept latents and the decode command").
+"""A failed decode keeps the latents (docs/design/outputs.md, "Kept latents and the decode command").
 
 Every PAN2 request with the fast decoder on (`decode_failure.keeps_latents`) carries a `KeepLatentsRequest` from the
 parent: the video it is for, and its fps. When its decode in the worker fails for any reason after denoising (an

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class PAN2Pipeline(compat.symbol("ComposedPipelineBase")):
-    """first frame -> prompts -> noise -> condition -> denoise -> decode (docs/design.md, "PAN2's sampler")."""
+    """first frame -> prompts -> noise -> condition -> denoise -> decode (docs/design/pan2.md, "PAN2's sampler")."""
 
     pipeline_config_cls = PAN2PipelineConfig
     sampling_params_cls = PAN2SamplingParam
@@ -46,7 +46,8 @@ class PAN2Pipeline(compat.symbol("ComposedPipelineBase")):
         _log_dit_share(self.get_module("transformer"))
         if fastvideo_args.use_fsdp_inference and fastvideo_args.pipeline_config.dit_precision == "fp32":
             logger.warning("dit_precision fp32 with use_fsdp_inference: FastVideo's FSDP inference gathers the DiT's "
-                           "weights in bf16, so this run computes bf16's numbers (docs/design.md, \"The transformer\")")
+                           "weights in bf16, so this run computes bf16's numbers "
+                           "(docs/design/pan2.md, \"The transformer\")")
         vae = self.get_module("vae")
         self.add_stage("input_validation_stage", PAN2InputStage())
         self.add_stage("prompt_encoding_stage",

@@ -1,4 +1,4 @@
-"""A served request that fails in the worker fails alone (docs/design.md, "Serving").
+"""A served request that fails in the worker fails alone (docs/design/serving.md, "Serving").
 
 FastVideo 0.2.1's worker exits on any exception from a forward pass (and signals its parent), so under `fastvideo
 serve` one bad request would end every later one. For a request the parent marks (`FAILS_ALONE_KEY` in the worker's

@@ -1,4 +1,5 @@
-"""Several PAN2 servers behind one HTTP entry point, on Ray Serve (docs/design.md, "Scale-out"; README, "Serving").
+"""Several PAN2 servers behind one HTTP entry point, on Ray Serve (docs/design/serving.md, "Scale-out"; README,
+"Serving").
 
 ``fastvideo serve --config serve_pan2.yaml --server.replicas N`` runs N replicas of the PAN2 server as one Ray Serve
 application behind Ray Serve's HTTP proxy at ``server.host:server.port``. Each replica is one process with the whole

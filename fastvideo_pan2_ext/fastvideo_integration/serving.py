@@ -1,4 +1,4 @@
-"""``fastvideo serve`` for PAN2 (docs/design.md, "Serving"; what is patched and why: docs/fastvideo.md).
+"""``fastvideo serve`` for PAN2 (docs/design/serving.md, "Serving"; what is patched and why: docs/fastvideo.md).
 
 A serve config with ``pipeline: pan2`` at its top (or ``fastvideo serve --pipeline pan2 --config ...``), or any
 serve config whose ``model_path`` is a PAN2 checkpoint (`serves_pan2`), runs FastVideo 0.2.1's REST server

@@ -1,4 +1,4 @@
-"""PAN2's pipeline stages in FastVideo (docs/design.md, "PAN2's sampler"); `reference.py` defines their results.
+"""PAN2's pipeline stages in FastVideo (docs/design/pan2.md, "PAN2's sampler"); `reference.py` defines their results.
 
 - `PAN2InputStage`: FastVideo's input validation and seeding; the first frame read as PAN2 reads it (the stored
   pixels, no EXIF transpose; cover-resize and centre crop to the requested canvas: `fastvideo_pan2_ext.media.image`).

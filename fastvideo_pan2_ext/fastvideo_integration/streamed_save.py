@@ -1,4 +1,4 @@
-"""How a PAN2 video reaches its file (docs/design.md, "The streamed save and atomic output"): whole or streamed,
+"""How a PAN2 video reaches its file (docs/design/outputs.md, "The streamed save and atomic output"): whole or streamed,
 never partial.
 
 FastVideo 0.2.1 saves in the parent process (in the generator's single-video step) after the worker has decoded the

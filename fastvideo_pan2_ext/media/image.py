@@ -84,8 +84,8 @@ def cover_size(image_width: int, image_height: int, height: int, width: int) -> 
 
 def first_frame_from_image(img: Image.Image, height: int, width: int) -> torch.Tensor:
     """An RGB image -> [1, 3, 1, H, W] float32 in [-1, 1]: LANCZOS-resized to cover the height x width canvas,
-    centre-cropped to it (offsets rounded half to even, as Python rounds), `2 x / 255 - 1` (docs/design.md,
-    "Definitions"; its definition is `reference.first_frame_from_image`)."""
+    centre-cropped to it (offsets rounded half to even, as Python rounds), `2 x / 255 - 1` (docs/design/pan2.md,
+    "PAN2's sampler"; its definition is `reference.first_frame_from_image`)."""
     check_size(height, width)
     cover_w, cover_h = cover_size(*img.size, height, width)
     resized = img.resize((cover_w, cover_h), Image.LANCZOS)

@@ -1,5 +1,5 @@
-"""The kept-latents file (docs/design.md, "Kept latents and the decode command"): latents that did not become a video
-yet, with everything `python -m fastvideo_pan2_ext.decode FILE` needs to make it.
+"""The kept-latents file (docs/design/outputs.md, "Kept latents and the decode command"): latents that did not become a
+video yet, with everything `python -m fastvideo_pan2_ext.decode FILE` needs to make it.
 
 A safetensors file holding one tensor, `latents` [B, z_dim, T, h, w], and string metadata:
 

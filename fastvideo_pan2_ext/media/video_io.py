@@ -13,8 +13,8 @@ lays one out (the samples side by side, `torchvision.utils.make_grid(..., nrow=6
 Every file is written beside its target in a `PartialFile` (a private folder of a random name holding the file) and
 renamed into place only when complete: a failed or interrupted write leaves nothing at the target (and removes the
 partial file when it can; the process that made the `PartialFile` can remove it too, `discard()`). No name this module
-writes can be predicted or planted, and no link is followed below the folder the caller gave (docs/design.md, "The
-streamed save and atomic output").
+writes can be predicted or planted, and no link is followed below the folder the caller gave (docs/design/outputs.md,
+"The streamed save and atomic output").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and shapes, the token counts. One definition, read by the reference (`fastvideo_pan2_ext.reference`), the FastVideo
 DiT (`model.transformer`), the tiny checkpoint maker and the memory plan. Torch-free.
 
-The keys and the real values are those of diffusers' `PAN2Transformer3DModel` constructor (docs/design.md, "PAN2").
+The keys and the real values are those of diffusers' `PAN2Transformer3DModel` constructor (docs/design/pan2.md, "PAN2").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PAN2's memory plan: what one GPU holds for a request, by component, before any weight loads (docs/design.md,
+"""PAN2's memory plan: what one GPU holds for a request, by component, before any weight loads (docs/design/pan2.md,
 "PAN2's memory plan").
 
 The bytes come from the checkpoint's own description: the transformer's from its config (`architecture`), the text

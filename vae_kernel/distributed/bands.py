@@ -100,7 +100,7 @@ class RankRows(LocalRows):
     Every exchange starts with a status round among the ranks holding rows (`check_peers`): a rank that failed since
     its last exchange (out of memory, or any error) joins that round with its status instead of the exchange, so
     every rank learns of it there, at its next exchange, rather than waiting for a message that never comes. The
-    decoder runs one more round after a decode's last exchange (docs/design.md, "Out-of-memory retries")."""
+    decoder runs one more round after a decode's last exchange (docs/design/worker.md, "Out-of-memory retries")."""
 
     def __init__(self, height: int, pg, device: torch.device, row_multiple: int = 1) -> None:
         self.pg, self.height = pg, height

@@ -10,8 +10,8 @@ the latents and the returned video (on a CPU, in either weight layout, what the 
 tests/test_memory_model.py).
 
 How a decode is planned (`frames_per_pass="auto"`, `max_memory`, the tiles, a decode group's agreement) is stated
-once, in `choose_plan` and `smallest` (docs/design.md, "The decoder": memory planner). Every planner method takes
-its arguments in one order: (latents_shape, frames_per_pass, tile_rows, stream, budget), those that apply.
+once, in `choose_plan` and `smallest` (docs/design/decoder.md, "Memory planner"). Every planner method
+takes its arguments in one order: (latents_shape, frames_per_pass, tile_rows, stream, budget), those that apply.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ DEFAULT_MEMORY_GOAL = 16 * 2**30
 # allocator's rounding and fragmentation.
 PEAK_HEADROOM = 1.3
 # A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's
-# (docs/design.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode tries
-# few plans (PAN2's video at 4 frames per pass: 4, 2, 1, then tiles), and the smallest plan is tried last.
+# (docs/design/worker.md, "Out-of-memory retries"): every retry cuts the planned peak by a quarter or more, so a decode
+# tries few plans (PAN2's video at 4 frames per pass: 4, 2, 1, then tiles), and the smallest plan is tried last.
 RETRY_PEAK_FRACTION = 0.75
 _STREAM_RETRY_TILES = (2, 3, 4, 6, 8)  # tile counts a streamed decode's retry tries
 

@@ -174,7 +174,7 @@ def _progress(total: int, show: bool, desc: str = "VAE decode"):
 class EncodeRunner:
     """Runs the encoder network (`encoder_network.EncodePass`) over one sample's clip with one op table and one set
     of prepared weights, in `dtype` activations: pass by pass (the first video frame alone, then 4 per latent frame),
-    untiled or in exact two-phase tiles (docs/design.md, "The encoder")."""
+    untiled or in exact two-phase tiles (docs/design/encoder.md, "Two-phase tiles")."""
 
     def __init__(self, ops: Ops, weights: dict[str, torch.Tensor], config, device: torch.device, dtype: torch.dtype,
                  frames_per_pass: int, reuse_steady: bool, progress: bool = True) -> None:

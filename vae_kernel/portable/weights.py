@@ -275,7 +275,7 @@ def _prepares_to(part: WeightPart, name: str, source: torch.Tensor, held: torch.
 
 class PreparedWeights:
     """The decoder's (or the encoder's: `part`) prepared weights (`tensors`: name -> prepared tensor, in execution
-    order) and where they come from (docs/design.md, "What a weight change costs").
+    order) and where they come from (docs/design/worker.md, "What a weight change costs").
 
     Made from a module (diffusers' or FastVideo's `AutoencoderKLWan`, held by a weak reference), they follow it:
     `sync` prepares each of the module's current weights again (or, where that is a re-layout, reads it in place:

@@ -1,5 +1,5 @@
 """FastVideo's compat package: every FastVideo name this package relies on, and the code that touches it
-(docs/design.md, "FastVideo facts relied on").
+(docs/design/fastvideo-integration.md, "FastVideo facts relied on").
 
 One module per FastVideo area; each lists its seams (`SEAMS`: the modules, classes, functions, attributes and
 conventions it reads, calls or replaces, each with the reason; `seams.Seam`) and holds the code that uses them:

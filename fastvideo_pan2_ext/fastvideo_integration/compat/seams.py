@@ -1,5 +1,5 @@
 """The `Seam` type and its lookup: one FastVideo name this package relies on, with the reason, and the one-line error
-when the installed FastVideo lacks it (docs/design.md, "FastVideo facts relied on")."""
+when the installed FastVideo lacks it (docs/design/fastvideo-integration.md, "FastVideo facts relied on")."""
 
 from __future__ import annotations
 
