@@ -24,6 +24,7 @@ from .planning import memory
 from .planning.memory import DecodePlan, Plan  # noqa: F401 - DecodePlan: the plan's name before the encoder shared it
 from .portable import weights as weights_mod
 from .portable.passes import Chunk, DecodeRunner, latent_passes
+from .portable.winograd import winograd_conv
 from .worker import Job, VAEOutOfMemoryError, Worker
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,13 @@ class WanVAEDecoder(Worker):
         self._weights = weights_mod.PreparedWeights(vae_or_state_dict, weights, self.device,
                                                     self.ops.cpu_compute_layout)
         self.config = self._weights.config
-        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
+        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device, winograd_conv(self.ops))
         self._tried: dict[tuple, list[Plan]] = {}  # plans that ran out of memory, across decode_iter restarts
         self._tiling(opts)
 
     def _drop_plans(self) -> None:  # a new architecture (`sync_weights`)
         super()._drop_plans()
-        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device)
+        self._planner = memory.MemoryPlanner(self.weights, self.config, self.device, winograd_conv(self.ops))
         self._tried.clear()
 
     # ---------------------------------------------------------------------------------------------------------------

@@ -27,12 +27,13 @@ import torch
 
 from fastvideo_pan2_ext.vae_kernel import WanVAEDecoder
 from fastvideo_pan2_ext.vae_kernel import options as decoder_options
-from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for
+from fastvideo_pan2_ext.vae_kernel.backends import check_gpu_for, select_ops
 from fastvideo_pan2_ext.vae_kernel.definitions.architecture import latent_frames, video_shape
 from fastvideo_pan2_ext.vae_kernel.errors import first_line
 from fastvideo_pan2_ext.vae_kernel.fallback import Fallback
 from fastvideo_pan2_ext.vae_kernel.planning import memory
 from fastvideo_pan2_ext.vae_kernel.portable import weights as weights_mod
+from fastvideo_pan2_ext.vae_kernel.portable.winograd import winograd_conv
 
 from . import compat
 
@@ -112,7 +113,9 @@ def check_runs_here(vae_config, vae: torch.nn.Module | None, shape, prefix: str 
         return
     device = planning_device()
     config, prepared = weights_mod.meta_prepared(vae, device)
-    planner, budget = memory.MemoryPlanner(prepared, config, device), memory.parse_bytes(opts.max_memory)
+    portable = select_ops("torch", device, opts.conv_algorithm)  # the worker's Winograd layers, nothing built
+    planner = memory.MemoryPlanner(prepared, config, device, winograd_conv(portable))
+    budget = memory.parse_bytes(opts.max_memory)
     b, _, frames, height, width = shape
     s = config.spatial_scale
     latents = (b, config.z_dim, latent_frames(frames), height // s, width // s)

@@ -16,6 +16,7 @@ takes its arguments in one order: (latents_shape, frames_per_pass, tile_rows, st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -31,6 +32,7 @@ from ..portable import ops
 from ..portable.network import CausalState, DecodePass, Tile
 from ..portable.ops import Ops
 from ..portable.passes import EncodeRunner, latent_passes, pass_video_frames, row_tiles
+from ..portable.winograd import WinogradConv3d
 
 AUTO = "auto"
 FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses among, largest first (`choose_plan`)
@@ -309,8 +311,10 @@ class MemoryPlanner:
     """A decode's peak working memory, measured by replaying its buffers on the meta device, and the tile that keeps
     it within a budget."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], config, device: torch.device,
+                 winograd: WinogradConv3d | None = None) -> None:
         self.config, self.device = config, device
+        self.winograd = winograd  # the decoder's Winograd conv (`winograd.winograd_conv`), None where convs are direct
         # Read once from the weights as prepared: a decode holds these bytes whether or not the weights are on the
         # device between decodes (they are prepared again, the same shapes, before one: `weights.PreparedWeights`).
         self._meta_weights = {k: v.to("meta") for k, v in weights.items()}
@@ -341,6 +345,12 @@ class MemoryPlanner:
     def _replay(self, latents_shape, frames_per_pass: int, tile_rows: int | None, stream: bool) -> int:
         _, _, t, height, width = latents_shape
         dry, p, s = dry_ops(self.device), self.config.patch_size, self.config.spatial_scale
+        if self.winograd is not None:
+            # The portable Winograd conv itself runs on the meta tensors: its transforms' buffers are counted as a
+            # CPU holds them (a compiled kernel holds no more), and so are the transformed weights, made afresh as
+            # a new decoder makes them at its first decode (later decodes reuse them).
+            dry = dataclasses.replace(dry, conv3d=WinogradConv3d(dry.conv3d, self.winograd.tile,
+                                                                 self.winograd.keep_direct))
         # The first frame, a pass whose causal history is that one frame, then one with the full history (two frames
         # at every conv): later passes repeat the third.
         passes = latent_passes(t, frames_per_pass)[:3]

@@ -259,3 +259,8 @@ def winograd_ops(base_ops, tile: int = 2,
     conv = WinogradConv3d(base_ops.conv3d, tile, keep_direct, conv, transform)
     return dataclasses.replace(base_ops, row_multiple=tile, name=f"{base_ops.name}+winograd-f{tile}x{tile}",
                                conv3d=conv)
+
+
+def winograd_conv(table) -> WinogradConv3d | None:
+    """An op table's Winograd conv (its tile and layers), None where its convs are direct."""
+    return table.conv3d if isinstance(table.conv3d, WinogradConv3d) else None
