@@ -205,7 +205,7 @@ class PAN2DenoisingStage(compat.symbol("PipelineStage")):
 
 
 def _dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return compat.symbol("PRECISION_TO_TYPE")[precision]
 
 
 class PAN2DecodingStage(compat.symbol("DecodingStage")):

@@ -19,6 +19,8 @@ SEAMS = (
     Seam("fastvideo.pipelines.stages", "InputValidationStage", "PAN2's first-frame stage extends it",
          name="InputValidationStage"),
     Seam("fastvideo.pipelines.stages", "DecodingStage", "PAN2's decoding stage extends it", name="DecodingStage"),
+    Seam("fastvideo.utils", "PRECISION_TO_TYPE", "a precision name (\"bf16\") as the dtype FastVideo's loaders use",
+         name="PRECISION_TO_TYPE"),
     Seam("fastvideo.pipelines.stages", "DecodingStage._denormalize_latents", "the fast decoder takes latents "
          "de-normalized exactly as FastVideo's decode does"),
 )
