@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Under pytest-xdist (CI: two workers on two cores) each worker and every process it starts computes on one thread:
+# two workers of two threads each would oversubscribe the cores. A comparison that depends on the thread count sets
+# its own (`_threads.torch_threads`).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from _vae_helpers import make_wan22_vae
 from fastvideo_pan2_ext.attention import ENV_VAR
