@@ -174,9 +174,9 @@ def vae_moved(vae) -> None:
 def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
     group: inside a request on several ranks they split the rows (`compat.executor.request_group`), elsewhere (exact
-    tiles; a training loop's call) this rank decodes alone. Its weights are prepared from the module's own and follow them: every decode first takes any change of
-    the module's weights (`WanVAEDecoder.sync_weights`), and they leave the device when the module does
-    (`Workers.vae_moved`)."""
+    tiles; a training loop's call) this rank decodes alone. Its weights are prepared from the module's own and follow
+    them: every decode first takes any change of the module's weights (`WanVAEDecoder.sync_weights`), and they leave
+    the device when the module does (`Workers.vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
     group = None if opts.tiled else compat.executor.request_group()  # exact tiles are a single-rank decode
 

@@ -13,8 +13,8 @@ preprocessing pipelines). It returns FastVideo's own `DiagonalGaussianDistributi
 dtype on its device, so `.mean`, `.mode()` and `.sample(generator)` draw as FastVideo's would. As the decode, it
 splits bands of rows over the ranks of a request that FastVideo's executor handed every worker (they encode the same
 first frame or clip: `compat.executor.request_group`), and runs on the calling rank alone elsewhere (preprocessing
-and training ranks hold different clips). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, after one warning line per VAE and
-reason (the one fallback policy: `vae_kernel.fallback`).
+and training ranks hold different clips). What it cannot serve (`cannot_serve`) runs FastVideo's own encode, after
+one warning line per VAE and reason (the one fallback policy: `vae_kernel.fallback`).
 """
 
 from __future__ import annotations

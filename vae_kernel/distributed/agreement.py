@@ -1,6 +1,5 @@
 """The rounds every rank of a decode (or encode) group joins, so that an error on one rank raises on every rank instead
-of leaving the others waiting in a collective (docs/design/worker.md, "Several ranks never
-hang").
+of leaving the others waiting in a collective (docs/design/worker.md, "Several ranks never hang").
 
 A round is one all_gather of each rank's `Report`: its status, a few numbers, and, from a rank that failed, its error's
 first line. The rounds of a decode and of an encode: the agreement on the work before any of it (`agree`), the

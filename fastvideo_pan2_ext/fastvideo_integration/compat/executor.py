@@ -137,5 +137,3 @@ def request_group():
     except AssertionError:  # FastVideo's distributed environment is not initialized: one process
         return None
     return world.device_group if world.world_size > 1 else None
-
-
