@@ -238,9 +238,13 @@ class WinogradConv3d:
         return kh == kw == 3 and not self.keep_direct(co, ci, kt)
 
     def transformed(self, w: torch.Tensor) -> torch.Tensor:
+        # An inference tensor (made under torch.inference_mode, e.g. the planner's meta copy of the weights) has no
+        # version counter: it is transformed once, as it can change only inside inference mode, where nothing here
+        # changes weights in place.
+        version = None if w.is_inference() else w._version
         entry = self.cache.get(w)
-        if entry is None or entry[0] != w._version:
-            entry = self.cache[w] = (w._version, self.transform(w))
+        if entry is None or entry[0] != version:
+            entry = self.cache[w] = (version, self.transform(w))
         return entry[1]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
