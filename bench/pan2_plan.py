@@ -20,7 +20,7 @@ from fastvideo_pan2_ext.model.architecture import PAN2TransformerConfig  # noqa:
 from fastvideo_pan2_ext.model.cost import step_flops  # noqa: E402
 
 GB = 10 ** 9
-# Qwen3.5-9B's text model and the Wan2.2 VAE, counted on the meta device (tests/test_pan2_memory.py).
+# Qwen3.5-9B's text model and the Wan2.2 VAE, counted on the meta device (tests/model/test_pan2_memory.py).
 REAL = memory.Sizes(PAN2TransformerConfig(), text_params=7_936_684_544, text_hidden=4096, text_layers=32,
                     vae_params=704_688_668)
 GPUS = {"1x H100 80 GB": (80 * GB, 1), "1x H200 141 GB": (141 * GB, 1), "1x B200 180 GB": (180 * GB, 1),

@@ -59,7 +59,7 @@ class PAN2PipelineConfig(compat.symbol("PipelineConfig")):
     config's shift.
 
     FastVideo's own VAE switches are inherited unchanged, and for PAN2 (a Wan2.2 VAE) in FastVideo 0.2.1 they do this
-    (measured; `tests/test_pipeline_decode_routes.py`):
+    (measured; `tests/fastvideo_integration/test_pipeline_decode_routes.py`):
     - `vae_tiling` (default False) and `vae_sp` (default False): the decode stage calls the VAE's `enable_tiling()`,
       which FastVideo's Wan VAE ignores while `vae_config.use_feature_cache` is True: same video, same memory. Setting
       `vae_tiling=True` logs a warning saying so.

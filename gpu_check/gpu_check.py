@@ -824,7 +824,7 @@ def attention_kernels() -> dict:
 
 
 def pan2_block(ctx: Context, repeats: int = 3) -> dict:
-    """One joint block of PAN2's transformer (`reference._pan2_joint_block`, the math tests/test_pan2_dit.py holds the
+    """One joint block of PAN2's transformer (`reference._pan2_joint_block`, the math tests/model/test_pan2_dit.py holds the
     DiT to) with random bf16 weights on the device, over the tokens of `sizes["pan2_block"]` (the real config and
     241 frames at 704x1248 on a GPU; the tiny checkpoint's config and a tiny video in a dry run), timed (median of
     `repeats` after a warm-up) with each attention kernel of `attention_kernels`. Per kernel: ms per block, TFLOP/s
@@ -922,11 +922,11 @@ OPTION_FLAGS = ("dit_cpu_offload", "dit_layerwise_offload", "text_encoder_cpu_of
 # What FastVideo's compat package turns off on a GPU-less machine (`fastvideo_integration.compat.cpu_gaps`'s
 # CPU_OFFLOAD_FLAGS: FastVideo's offloads need CUDA), so a dry run records them off; FSDP2 runs there over gloo.
 OFF_WITHOUT_GPU = ("dit_layerwise_offload", "text_encoder_cpu_offload", "vae_cpu_offload")
-# The request (tests/test_pan2_parallel.py's): image-to-video, so the VAE's encode of the first frame is in the
+# The request (tests/model/test_pan2_parallel.py's): image-to-video, so the VAE's encode of the first frame is in the
 # latents (vae_cpu_offload moves the VAE for it), with a negative prompt at guidance 3.0 (two forwards a step).
 OPTION_REQUEST = {"prompt": "a fox", "negative_prompt": "blurry", "guidance_scale": 3.0, "seed": 5}
 # The latents are fp32 through the sampler: equal "to fp32 rounding" is max|d| <= this x max|reference|, as
-# tests/test_pan2_parallel.py holds several ranks to one.
+# tests/model/test_pan2_parallel.py holds several ranks to one.
 OPTION_ROUNDING = 1e-5
 
 

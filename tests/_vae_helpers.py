@@ -6,8 +6,8 @@ The Wan2.1 layout (`is_residual=False`, no patchify, 3 channels; real `base_dim 
 Every parameter is overwritten with seeded noise so that no layer is an identity or a zero, by the seeded-weight
 rule (`selfcheck.seeded_parameter`: convs randn / sqrt(fan_in), biases 0.1 randn, RMS-norm gammas 1 + 0.1 randn).
 
-Import it from a test module as `from _vae_helpers import make_wan22_vae` (pytest puts `tests/` on `sys.path`), or
-use the fixtures in `conftest.py`.
+Import it from a test module, in whichever folder of `tests/`, as `from _vae_helpers import make_wan22_vae` (pytest's
+`pythonpath` in pyproject.toml puts `tests/` on `sys.path`), or use the fixtures in `conftest.py`.
 """
 
 from __future__ import annotations

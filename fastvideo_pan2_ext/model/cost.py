@@ -1,6 +1,6 @@
 """PAN2's compute per sampler step, by arithmetic (docs/design/pan2.md, "PAN2's cost"): the transformer's linear layers
 (the patch embedding's convolution among them) and its attention, separately, for a request's token counts, one
-sample. Counted in FLOPs, a multiply-add being 2, as torch's FlopCounterMode counts them (tests/test_pan2_memory.py
+sample. Counted in FLOPs, a multiply-add being 2, as torch's FlopCounterMode counts them (tests/model/test_pan2_memory.py
 holds the two equal on the reference transformer)."""
 
 from __future__ import annotations

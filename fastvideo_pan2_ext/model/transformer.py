@@ -2,7 +2,7 @@
 loader, attention backend choice (FA4 included), sequence parallelism, FSDP, compile and layerwise offload apply.
 
 It computes diffusers' `PAN2Transformer3DModel` (`fastvideo_pan2_ext.reference.pan2_transformer` is the plain-torch
-oracle; tests/test_pan2_dit.py holds the two together):
+oracle; tests/model/test_pan2_dit.py holds the two together):
 - patch embedding (Conv3d, kernel = stride = patch), tokens in (t, h, w) order;
 - timestep embedding: 256-channel sinusoid in fp32, cos first, cast to the DiT dtype, Linear, SiLU, Linear -> temb;
 - text: RMSNorm (1e-5) and Linear, the refiner blocks (pre-norm RMS, self-attention with per-head RMS q/k and no

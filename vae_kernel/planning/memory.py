@@ -7,7 +7,7 @@ under `LiveBytes`, which counts every storage created while it is active and fre
 as long as the op runs, what the portable op in `ops.py` materialises (its casts to the compute dtype, its result,
 its reshapes), so the replay's peak is the decode's peak working memory: everything it allocates beyond the weights,
 the latents and the returned video (on a CPU, in either weight layout, what the real decode allocates, op for op:
-tests/test_memory_model.py).
+tests/vae_kernel/test_memory_model.py).
 
 How a decode is planned (`frames_per_pass="auto"`, `max_memory`, the tiles, a decode group's agreement) is stated
 once, in `choose_plan` and `smallest` (docs/design/decoder.md, "Memory planner"). Every planner method
@@ -42,7 +42,7 @@ FRAMES_PER_PASS_CHOICES = (8, 4, 2, 1)  # what frames_per_pass="auto" chooses am
 DEFAULT_MEMORY_GOAL = 16 * 2**30
 # A budget is checked against 1.3 x the replay: the replay counts the storages torch allocates (on a CPU the same
 # as the real decode's, and torch's CPU allocator holds no more but for one call's buffers inside oneDNN:
-# tests/test_memory_model.py), not what oneDNN, cuDNN or a compiled kernel allocate inside a call, nor the
+# tests/vae_kernel/test_memory_model.py), not what oneDNN, cuDNN or a compiled kernel allocate inside a call, nor the
 # allocator's rounding and fragmentation.
 PEAK_HEADROOM = 1.3
 # A decode that ran out of memory retries at a plan whose replayed peak is at most this fraction of the failed plan's

@@ -131,7 +131,7 @@ MIN_BF16_CPU_PIXELS = 64
 # same extents whatever the band, tile or pass (its place in the call does not change its sums: measured). About this
 # many output pixels per call (fewer, bigger calls run faster; a block is never longer than the frame). The decoder's:
 # on a narrow frame a bigger block spans the frame, and its tiles would no longer lower its peak
-# (tests/test_decoder_memory.py).
+# (tests/vae_kernel/test_decoder_memory.py).
 FP32_CPU_CALL_PIXELS = 512
 # The encoder's (`passes.EncodeRunner`): its fp32 convs are most of a CPU encode, and bigger calls copy fewer halo
 # rows and run faster; its peak is held by the wide first levels, where a block is a few rows whatever this size.

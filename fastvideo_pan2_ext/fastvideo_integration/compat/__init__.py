@@ -15,7 +15,7 @@ conventions it reads, calls or replaces, each with the reason; `seams.Seam`) and
 - `cpu_gaps`: FastVideo on a GPU-less machine;
 - `http_server`: FastVideo's HTTP server (checked only when a PAN2 server starts: `check_serving`).
 
-Nothing else in the package imports FastVideo beyond its top-level package (tests/test_architecture.py checks the
+Nothing else in the package imports FastVideo beyond its top-level package (tests/repo/test_architecture.py checks the
 import graph); other modules get FastVideo's classes from `symbol(name)` and its behaviour from an area's functions.
 An upgrade of FastVideo is this folder to read. `check()` (run by `register()`) looks every seam up in the installed
 FastVideo and fails with one line naming the FastVideo version and the first missing name, instead of a traceback

@@ -1,6 +1,6 @@
 // Winograd F(2x2, 3x3): the work of one thread of the input and output transforms (winograd.cu launches them).
 // __host__ __device__ so a host program can run them over the whole grid and check them against the portable
-// definition on a machine without a GPU (tests/test_winograd_kernels.py). Rounding points as vae_kernel/portable/winograd.py:
+// definition on a machine without a GPU (tests/vae_kernel/compiled/test_winograd_kernels.py). Rounding points as vae_kernel/portable/winograd.py:
 // the transforms are fp32 two-operand adds in the portable code's order (no products, so nothing to contract into
 // an FMA), V and Y are rounded to bf16 once each.
 #pragma once
