@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from _diffusers_pipelines import tiny_vae
+from _source_tree import REPO
 from _vae_helpers import make_wan21_vae, make_wan22_vae, randomize_parameters_
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.vae import DecoderOutput
@@ -284,13 +285,33 @@ def test_latents_the_decoder_refuses_raise_a_clear_error():
     ({"max_memory": "lots"}, "max_memory"),
     ({"backend": "tpu"}, "backend must be one of"),
     ({"conv_algorithm": "fft"}, "conv_algorithm must be one of"),
-    ({"pg": object()}, "pg was given but torch.distributed is not initialized"),
 ])
 def test_bad_options_are_refused_at_the_call(options, message):
     vae = make_wan21_vae()
     with pytest.raises(ValueError, match=message):
         enable_fast_decode(vae, **options)
     assert not is_fast_decode_enabled(vae)
+
+
+def test_a_group_where_torch_distributed_is_not_initialized_is_refused_at_the_call():
+    """Both switches, in a process of its own: a process of this test run may hold a default group an earlier test
+    made."""
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "import torch.distributed as dist\n"
+            "from _vae_helpers import make_wan21_vae\n"
+            "import fastvideo_pan2_ext as p\n"
+            "assert not dist.is_initialized()\n"
+            "for switch, enabled in ((p.enable_fast_decode, p.is_fast_decode_enabled),\n"
+            "                        (p.enable_fast_encode, p.is_fast_encode_enabled)):\n"
+            "    vae = make_wan21_vae()\n"
+            "    try:\n"
+            "        switch(vae, pg=object())\n"
+            "    except ValueError as exc:\n"
+            "        print(exc, enabled(vae))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = "pg was given but torch.distributed is not initialized (call init_process_group first) False"
+    assert done.stdout.splitlines() == [line, line], done.stdout
 
 
 def test_bad_targets_are_refused():

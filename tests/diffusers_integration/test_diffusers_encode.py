@@ -353,7 +353,6 @@ def test_the_encode_progress_bar_is_the_pipelines_own(capfd):
     ({"precision": "fp64"}, "precision must be one of"),
     ({"reuse_steady": "yes"}, "reuse_steady must be True or False"),
     ({"conv_algorithm": "winograd"}, r"unknown encoder option\(s\) conv_algorithm; the options are frames_per_pass"),
-    ({"pg": "group"}, r"pg was given but torch.distributed is not initialized"),
 ])
 def test_bad_options_are_refused_at_the_call_in_one_line(options, message):
     vae = tiny_vae("wan2.1")
