@@ -171,6 +171,18 @@ def vae_moved(vae) -> None:
     _decoders.vae_moved(vae)
 
 
+def ranks_of(opts):
+    """The process group a worker with options `opts` splits its rows over (`WanVAEDecoder`'s and `WanVAEEncoder`'s
+    `pg`), None for this rank alone: exact tiles are a single-rank decode (encode), and only the ranks of a request
+    hold the same input (`compat.executor.request_group`)."""
+    return None if opts.tiled else compat.executor.request_group()
+
+
+def ranks_described(group) -> str:
+    """How a worker made for `group` (`ranks_of`) runs, as its log line says it."""
+    return "one rank" if group is None else "rows split over the ranks"
+
+
 def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     """The fast decoder of FastVideo's Wan VAE module `vae` on `device`, made once per VAE, device, options and rank
     group: inside a request on several ranks they split the rows (`compat.executor.request_group`), elsewhere (exact
@@ -178,13 +190,13 @@ def decoder_for(vae, device: torch.device) -> WanVAEDecoder:
     them: every decode first takes any change of the module's weights (`WanVAEDecoder.sync_weights`), and they leave
     the device when the module does (`Workers.vae_moved`)."""
     opts = options(vae.config) or decoder_options.DecoderOptions()
-    group = None if opts.tiled else compat.executor.request_group()  # exact tiles are a single-rank decode
+    group = ranks_of(opts)
 
     def make() -> WanVAEDecoder:
         decoder = WanVAEDecoder(vae, device=device, pg=group, local=group is None, **decoder_options.as_kwargs(opts))
         logger.info("fast VAE decoder: backend %s, frames_per_pass %s, tile_rows %s, max_memory %s, %s on %s",
                     decoder.backend, opts.frames_per_pass, opts.tile_rows, opts.max_memory,
-                    "one rank" if group is None else "rows split over the ranks", device)
+                    ranks_described(group), device)
         return decoder
 
     return _decoders.get_or_make(vae, (str(device), opts, id(group)), make)

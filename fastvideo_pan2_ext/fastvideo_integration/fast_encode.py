@@ -183,14 +183,14 @@ def encoder_for(vae, device: torch.device) -> WanVAEEncoder:
     encode); they leave the device when the module does (`Workers.vae_moved`), and are prepared again at the next
     encode there."""
     opts = options(vae.config) or encoder_options.EncoderOptions()
-    group = None if opts.tiled else compat.executor.request_group()  # exact tiles are a single-rank encode
+    group = fast_decode.ranks_of(opts)
 
     def make() -> WanVAEEncoder:
         encoder = WanVAEEncoder(vae, device=device, pg=group, local=group is None, **encoder_options.as_kwargs(opts))
         logger.info("fast VAE encoder: precision %s (%s), frames_per_pass %s, tile_rows %s, max_memory %s, "
                     "reuse_steady %s, %s on %s", opts.precision, encoder.dtype, opts.frames_per_pass,
                     opts.tile_rows, opts.max_memory, opts.reuse_steady,
-                    "one rank" if group is None else "rows split over the ranks", device)
+                    fast_decode.ranks_described(group), device)
         return encoder
 
     return _encoders.get_or_make(vae, (str(device), opts, id(group)), make)
