@@ -481,15 +481,22 @@ class PAN2Server:
         """After FastVideo's shutdown: no worker, no partial video, no video of a job that did not end, no upload left
         (idempotent)."""
         logger.info("PAN2 server stopping: workers, partial videos and uploads removed")
-        cli.stop_workers()
-        streamed_save.remove_left_partials()
+        for step in (cli.stop_workers, streamed_save.remove_left_partials, self._remove_unfinished_videos,
+                     self._remove_uploads, lambda: shutil.rmtree(self._flags, ignore_errors=True),
+                     lambda: self._thread.shutdown(wait=False, cancel_futures=True)):
+            try:  # one step that fails leaves the others to do
+                step()
+            except Exception:
+                logger.exception("PAN2 server stopping: a step of its cleanup failed; the others go on")
+
+    def _remove_unfinished_videos(self) -> None:
         for request_id in list(self._running):  # its job never ended: a video finished during the shutdown goes too
             for written in self._running.pop(request_id)[0]:  # the file it wrote, whatever FastVideo named it
                 remove_video(written.path, self.rules.output_dir, (written.device, written.inode))
+
+    def _remove_uploads(self) -> None:
         for request_id in list(self._uploads):
             self._uploads.pop(request_id).unlink(missing_ok=True)
-        shutil.rmtree(self._flags, ignore_errors=True)
-        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------------------------- the command

@@ -25,6 +25,7 @@ import itertools
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -203,11 +204,13 @@ class PartialFile:
     never follows a link, mode 0700, its name from `secrets`) holding the file (created exclusively). Writers use
     `path`, which reaches the folder through this process's descriptor of it: a folder swapped in under that name
     later is never written into. `commit()` renames the file onto the target; `discard()` removes both. `root`: see
-    `open_folder`."""
+    `open_folder`. Thread-safe: a server that stops discards the partial files of its jobs while their threads may
+    be committing or discarding them (each descriptor is closed once, never another's that took its number)."""
 
     def __init__(self, target, root=None) -> None:
         self.target = Path(os.path.abspath(target))
         self.name = self.target.name
+        self._lock = threading.RLock()
         self._parent: int | None = None
         self._fd: int | None = None
         self.folder_id: tuple[int, int] | None = None  # set once the folder is known to be the one made here
@@ -245,6 +248,7 @@ class PartialFile:
         self = cls.__new__(cls)
         self.target = Path(path)
         self.name, self.folder = self.target.name, self.target.parent
+        self._lock = threading.RLock()
         self._parent = None
         self._fd = os.open(self.folder, _DIR | os.O_NOFOLLOW)
         st = os.fstat(self._fd)
@@ -259,41 +263,46 @@ class PartialFile:
         """Move the finished file onto the target; -> what was written where. A target that became a link meanwhile is
         refused (OSError; the link stays, the video goes): a link there is someone else's doing. In the instant
         between that look and the rename, rename(2) would replace such a link itself, never write through it."""
-        try:
-            st = os.stat(self.name, dir_fd=self._fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(f"cannot write the video to {self.target}: the partial file is not a regular file")
-            _check_target(self._parent, self.target, f"cannot write the video to {self.target}: ")
-            os.rename(self.name, self.name, src_dir_fd=self._fd, dst_dir_fd=self._parent)
-            return WrittenFile(str(self.target), st.st_dev, st.st_ino)
-        finally:
-            self.discard()
+        with self._lock:
+            try:
+                if self._fd is None:  # discarded meanwhile (a server stopping)
+                    raise OSError(f"cannot write the video to {self.target}: its partial file was removed")
+                st = os.stat(self.name, dir_fd=self._fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"cannot write the video to {self.target}: the partial file is not a regular file")
+                _check_target(self._parent, self.target, f"cannot write the video to {self.target}: ")
+                os.rename(self.name, self.name, src_dir_fd=self._fd, dst_dir_fd=self._parent)
+                return WrittenFile(str(self.target), st.st_dev, st.st_ino)
+            finally:
+                self.discard()
 
     def discard(self) -> bool:
         """Remove the partial file and its folder (the folder by name only while that name is still it). Idempotent;
         while a writer in another process still writes there (the folder is not empty again), the folder stays and
         a later call removes it. -> whether it is done (nothing of it left to remove, no descriptor held)."""
-        if self._fd is not None and self._parent is not None and self.folder_id is not None:
-            for name in os.listdir(self._fd):  # the file, and anything a writer left beside it
+        with self._lock:
+            if self._fd is not None and self._parent is not None and self.folder_id is not None:
+                for name in os.listdir(self._fd):  # the file, and anything a writer left beside it
+                    try:
+                        os.unlink(name, dir_fd=self._fd)
+                    except OSError:
+                        pass
                 try:
-                    os.unlink(name, dir_fd=self._fd)
-                except OSError:
-                    pass
-            try:
-                st = os.stat(self.folder_name, dir_fd=self._parent, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == self.folder_id:
-                    os.rmdir(self.folder_name, dir_fd=self._parent)
-            except OSError as exc:
-                if exc.errno == errno.ENOTEMPTY:
-                    return False  # written again since the listing: kept open for the next call
-        self.close()
-        return True
+                    st = os.stat(self.folder_name, dir_fd=self._parent, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == self.folder_id:
+                        os.rmdir(self.folder_name, dir_fd=self._parent)
+                except OSError as exc:
+                    if exc.errno == errno.ENOTEMPTY:
+                        return False  # written again since the listing: kept open for the next call
+            self.close()
+            return True
 
     def close(self) -> None:
-        for fd in (self._fd, self._parent):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._parent = None
+        with self._lock:
+            fds, self._fd, self._parent = (self._fd, self._parent), None, None
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
 
 
 def open_written(written: WrittenFile, root=None) -> int:

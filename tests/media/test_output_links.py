@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,42 @@ def test_the_worker_writes_into_the_parents_partial_file_only(tmp_path, victims)
     written = parent.commit()
     assert target.is_file() and Path(written.path) == target and sorted(tmp_path.iterdir()) == [
         target, victims[0].path.parent]
+
+
+@pytest.mark.parametrize("job_ends_by", ["discard", "commit"])
+def test_a_server_stopping_while_its_job_ends_closes_each_descriptor_once(tmp_path, job_ends_by):
+    """A server that stops discards its jobs' partial files from its event loop while a job's thread may be discarding
+    or committing the same one (found by tests/fastvideo_integration/serving/test_serve.py's SIGTERM case: a second
+    close raised EBADF and the server's cleanup stopped short of the uploads). Each ends whole: the video committed
+    or refused in one line, nothing of the partial file left, no error from the other thread."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads change hands at nearly every bytecode: the race is met in a few rounds
+    errors, committed = [], 0
+    try:
+        for n in range(200):
+            partial = PartialFile(tmp_path / f"clip{n}.mp4")
+            Path(partial.path).write_bytes(b"video")
+            start = threading.Barrier(2)
+
+            def end(how):
+                start.wait()
+                try:
+                    getattr(partial, how)()
+                except OSError as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=end, args=(how,)) for how in (job_ends_by, "discard")]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            committed += (tmp_path / f"clip{n}.mp4").exists()
+    finally:
+        sys.setswitchinterval(switch)
+    assert all("its partial file was removed" in str(exc) for exc in errors), errors[:3]
+    left = list(tmp_path.iterdir())
+    assert len(left) == committed and all(p.read_bytes() == b"video" for p in left)  # no partial folder left
+    assert committed + len(errors) == (200 if job_ends_by == "commit" else 0)  # each commit: the video, or one line
 
 
 def test_a_written_video_is_opened_and_removed_only_while_it_is_that_file(tmp_path, victims):

@@ -7,7 +7,7 @@ import resource
 
 import pytest
 import yaml
-from _pan2_helpers import OFFLINE, run
+from _pan2_helpers import OFFLINE, run, run_python
 from _serve_helpers import EXAMPLE_CONFIG, FASTVIDEO
 
 from fastvideo_pan2_ext.fastvideo_integration.serving import Replicas, ServingRules, frames_for_seconds
@@ -62,6 +62,35 @@ def test_the_scale_out_options_are_checked():
 
 
 @pytest.mark.slow
+def test_a_cleanup_step_that_fails_leaves_the_others_to_do(tmp_path):
+    """A stopping server whose partial-file cleanup fails (a descriptor of it closed behind its back: the fault, made
+    here) still removes its jobs' uploads and logs what failed. In a process of its own: stopping stops that
+    process's children."""
+    code = f"""
+import logging, os, sys
+from pathlib import Path
+from fastvideo_pan2_ext.fastvideo_integration import streamed_save
+from fastvideo_pan2_ext.fastvideo_integration.serving import PAN2Server, ServingRules
+from fastvideo_pan2_ext.media.video_io import PartialFile
+logging.basicConfig(stream=sys.stdout, level=logging.INFO)
+server = PAN2Server(ServingRules.from_config({str(tmp_path / "out")!r}))
+partial = PartialFile(server.rules.output_dir / "videos" / "job.mp4")
+os.close(partial._fd)
+streamed_save._in_flight.add(partial)
+upload = server.rules.output_dir / "uploads" / "job_first_frame.jpg"
+upload.parent.mkdir()
+upload.write_bytes(b"jpeg")
+server._uploads["job"] = upload
+server.stopped()
+print("upload left:", upload.exists())
+"""
+    done = run_python(code, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "upload left: False" in done.stdout, done.stdout[-3000:]
+    assert "a step of its cleanup failed; the others go on" in done.stdout + done.stderr
+    assert "Bad file descriptor" in done.stdout + done.stderr
+
+
 def test_a_bad_serve_config_is_one_line_before_any_model_loads(tiny_ckpt, tmp_path):
     config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     config["generator"]["model_path"] = str(tiny_ckpt)
