@@ -26,15 +26,16 @@ from fastvideo_pan2_ext.vae_kernel.portable import ops
 # on one of them with the other worker idle. The rest follow in collection order.
 LONGEST_FIRST = (
     "tests/gpu_check/test_gpu_check.py",
-    "tests/vae_kernel/test_same_video_real_widths.py",
-    "tests/vae_kernel/compiled/test_compile.py",
-    "tests/vae_kernel/compiled/test_binding_layout_checks.py",
-    "tests/fastvideo_integration/test_fast_decode_ranks.py",
     "tests/model/test_pan2_parallel.py",
+    "tests/vae_kernel/test_same_video_real_widths.py",
+    "tests/fastvideo_integration/test_fast_decode_ranks.py",
     "tests/vae_kernel/test_encoder_ranks.py",
-    "tests/fastvideo_integration/test_e2e_generate.py",
     "tests/fastvideo_integration/test_interrupts.py",
-    "tests/fastvideo_integration/test_kept_latents_e2e.py",
+    "tests/fastvideo_integration/test_e2e_generate.py",
+    "tests/fastvideo_integration/test_wan_pipelines.py",
+    "tests/fastvideo_integration/serving/test_serve_scale_out.py",
+    "tests/vae_kernel/compiled/test_compile.py",
+    "tests/fastvideo_integration/serving/test_serve.py",
 )
 
 

@@ -65,10 +65,17 @@ def _cli(tiny_ckpt, video, *args):
     return video.read_bytes()
 
 
-def test_two_sequence_parallel_ranks_make_the_one_rank_video(tiny_ckpt, tmp_path):
-    one, one_frames, _, _ = _api(tiny_ckpt, tmp_path, 1)
-    two, two_frames, two_video, log = _api(tiny_ckpt, tmp_path, 2)
+def test_two_sequence_parallel_ranks_split_the_fast_encode_and_decode_and_make_the_one_rank_video(tiny_ckpt, tmp_path):
+    """Image-to-video with the fast encoder and decoder on two sequence-parallel ranks: the video tokens split over the
+    ranks, and inside the request FastVideo's executor handed both workers the first frame's encode and the video's
+    decode each split bands of rows over them (`compat.executor.request_group`). The latents and frames are the
+    one-rank run's, and the CLI's two ranks run what the API's two ranks ran."""
+    one, one_frames, _, one_log = _api(tiny_ckpt, tmp_path, 1, image=SAMPLE)
+    two, two_frames, two_video, log = _api(tiny_ckpt, tmp_path, 2, image=SAMPLE)
     assert "world_size=2" in log and "Warming up sequence parallel communication (SP=2)" in log
+    for worker in ("encoder", "decoder"):
+        assert re.search(rf"fast VAE {worker}: .* one rank on cpu", one_log), (worker, one_log[-3000:])
+        assert len(re.findall(rf"fast VAE {worker}: .* rows split over the ranks on cpu", log)) == 2, worker
     assert one.shape == two.shape == (1, 2, 48, 3, 6, 6)  # [batch, steps, C, T', h, w]
     assert one.abs().max() > 0.5
     torch.testing.assert_close(two, one, rtol=0, atol=1e-5 * one.abs().max().item())
@@ -78,22 +85,11 @@ def test_two_sequence_parallel_ranks_make_the_one_rank_video(tiny_ckpt, tmp_path
     assert (one_frames.int() - two_frames.int()).abs().max() <= 1
 
     cli = _cli(tiny_ckpt, tmp_path / "cli-2.mp4", "--generator.engine.num_gpus", "2",
-               "--generator.engine.parallelism.sp_size", "2", "--generator.pipeline.experimental.dit_precision", "fp32")
+               "--generator.engine.parallelism.sp_size", "2", "--generator.pipeline.experimental.dit_precision", "fp32",
+               *[arg for kernel in ("vae_encode_kernel", "vae_decode_kernel")
+                 for arg in (f"--generator.pipeline.experimental.{kernel}", "true")],
+               "--request.inputs.image_path", str(SAMPLE))
     assert cli == two_video  # the CLI's two ranks run what the API's two ranks ran
-
-
-def test_the_ranks_of_a_request_split_the_fast_encode_and_decode_and_make_the_one_rank_video(tiny_ckpt, tmp_path):
-    """Image-to-video with the fast encoder and decoder on two sequence-parallel ranks: inside the request FastVideo's
-    executor handed both workers, the first frame's encode and the video's decode each split bands of rows over the
-    two ranks (`compat.executor.request_group`), and the latents and frames are the one-rank run's."""
-    one, one_frames, _, one_log = _api(tiny_ckpt, tmp_path, 1, image=SAMPLE)
-    two, two_frames, _, log = _api(tiny_ckpt, tmp_path, 2, image=SAMPLE)
-    for worker in ("encoder", "decoder"):
-        assert re.search(rf"fast VAE {worker}: .* one rank on cpu", one_log), (worker, one_log[-3000:])
-        assert len(re.findall(rf"fast VAE {worker}: .* rows split over the ranks on cpu", log)) == 2, worker
-    assert one.shape == two.shape == (1, 2, 48, 3, 6, 6) and one.abs().max() > 0.5
-    torch.testing.assert_close(two, one, rtol=0, atol=1e-5 * one.abs().max().item())
-    assert (one_frames.int() - two_frames.int()).abs().max() <= 1
 
 
 def _dit_shares(log: str) -> list[tuple[int, int]]:
